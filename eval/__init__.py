@@ -1,0 +1,1 @@
+"""Evaluation, benchmarks and training of the embedded models (installed as ``vtprune.eval``)."""

@@ -1,0 +1,141 @@
+"""Configuration of a pruning run: method, keep fraction, schedule, and their validation.
+
+Vocabulary used everywhere in vtprune:
+
+* ``keep`` is the fraction of a sample's *original* visual tokens that survive, in ``(0, 1]``.
+* A ``Stage(layer, keep)`` prunes right before decoder layer ``layer`` (0-based) runs, so layers
+  ``0 .. layer-1`` see every visual token and layers ``>= layer`` see ``keep`` of them. ``layer=0`` is the
+  pre-LLM stage (after the projector / patch merger, before the first decoder layer).
+* The number of visual tokens kept from ``n`` is :func:`keep_count` ``= max(1, floor(keep * n + 0.5))``
+  (round half up, at least one token), the single rounding rule of the package.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pruning point: before decoder layer ``layer`` keep ``keep`` of the original visual tokens."""
+
+    layer: int
+    keep: float
+
+
+def keep_count(keep: float, n: int) -> int:
+    """Number of visual tokens kept from ``n`` at fraction ``keep`` (round half up, at least 1, at most n)."""
+    if n <= 0:
+        return 0
+    return int(min(n, max(1, math.floor(keep * n + 0.5))))
+
+
+def parse_schedule(schedule: str | list | tuple | None) -> tuple[Stage, ...] | None:
+    """Parse ``"2:0.5,8:0.25"`` (``;`` also separates stages) or ``[(2, 0.5), (8, 0.25)]`` into stages."""
+    if schedule is None or schedule == "":
+        return None
+    if isinstance(schedule, str):
+        items = [s for s in schedule.replace(";", ",").split(",") if s.strip()]
+        pairs = []
+        for item in items:
+            if ":" not in item:
+                raise ValueError(
+                    f"schedule entry {item!r} is not of the form LAYER:KEEP; write e.g. schedule='2:0.5,8:0.25'."
+                )
+            layer, keep = item.split(":", 1)
+            try:
+                pairs.append((int(layer), float(keep)))
+            except ValueError as err:
+                raise ValueError(f"schedule entry {item!r}: LAYER must be an int and KEEP a float.") from err
+    else:
+        pairs = [tuple(p) if not isinstance(p, Stage) else (p.layer, p.keep) for p in schedule]
+    stages = tuple(Stage(int(layer), float(keep)) for layer, keep in pairs)
+    return stages
+
+
+def validate_stages(stages: tuple[Stage, ...], num_layers: int) -> None:
+    """Raise ``ValueError`` unless layers increase strictly inside the model and keep fractions decrease."""
+    if not stages:
+        raise ValueError("the schedule is empty; give at least one LAYER:KEEP stage, e.g. '2:0.25'.")
+    previous_layer, previous_keep = -1, 1.0
+    for stage in stages:
+        if not 0 <= stage.layer < num_layers:
+            raise ValueError(
+                f"pruning layer {stage.layer} is outside the language model, which has {num_layers} decoder "
+                f"layers; use a layer in [0, {num_layers - 1}]."
+            )
+        if stage.layer <= previous_layer:
+            raise ValueError(f"schedule layers must increase strictly, got {stage.layer} after {previous_layer}.")
+        check_keep(stage.keep, name=f"keep of the stage at layer {stage.layer}")
+        if stage.keep > previous_keep:
+            raise ValueError(
+                f"keep must not grow along the schedule (got {stage.keep} after {previous_keep} at layer "
+                f"{stage.layer}); keep fractions are relative to the original visual tokens."
+            )
+        previous_layer, previous_keep = stage.layer, stage.keep
+
+
+def check_keep(keep: Any, name: str = "keep") -> float:
+    """Return ``keep`` as a float or raise ``ValueError`` if it is not in ``(0, 1]``."""
+    try:
+        value = float(keep)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a number in (0, 1], got {keep!r}.") from err
+    if not (0.0 < value <= 1.0) or math.isnan(value):
+        raise ValueError(
+            f"{name} must be in (0, 1] (the fraction of visual tokens kept), got {keep!r}; "
+            "e.g. keep=0.25 keeps a quarter of them."
+        )
+    return value
+
+
+@dataclass
+class PruneConfig:
+    """What to prune and how much.
+
+    Parameters
+    ----------
+    method: name of a preset from :func:`vtprune.list_methods` (``"fastv"``, ``"pdrop"``, ...).
+        ``"fastv+debias"`` is shorthand for ``method="fastv", debias=True``.
+    keep: final fraction of visual tokens kept, in ``(0, 1]``.
+    schedule: optional explicit stages (``"2:0.5,8:0.25"``); otherwise the method's default schedule
+        for this model depth, ending at ``keep``.
+    layer: optional single pruning layer, shorthand for ``schedule=f"{layer}:{keep}"``.
+    positions: ``"original"`` (kept tokens keep their position ids; default) or ``"compact"``.
+    debias: ``False``, ``True`` (the model's calibration or the default trend) or a calibration file path.
+    seed: seed of the ``random`` method.
+    options: method-specific options (e.g. ``{"alpha": 0.5}``).
+    """
+
+    method: str = "fastv"
+    keep: float = 0.25
+    schedule: str | list | tuple | None = None
+    layer: int | None = None
+    positions: str = "original"
+    debias: bool | str = False
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"method must be a method name such as 'fastv', got {self.method!r}.")
+        base, *suffixes = self.method.split("+")
+        for suffix in suffixes:
+            if suffix != "debias":
+                raise ValueError(f"unknown method suffix '+{suffix}' in {self.method!r}; only '+debias' exists.")
+            self.debias = self.debias or True
+        self.method = base
+        self.keep = check_keep(self.keep)
+        if self.positions not in ("original", "compact"):
+            raise ValueError(f"positions must be 'original' or 'compact', got {self.positions!r}.")
+        if self.layer is not None and self.schedule is not None:
+            raise ValueError("give either layer=K or schedule='K:KEEP,...', not both.")
+        self.stages = parse_schedule(self.schedule)
+        if self.layer is not None:
+            if not isinstance(self.layer, int) or isinstance(self.layer, bool):
+                raise ValueError(f"layer must be an int (the first decoder layer that sees pruned tokens), got {self.layer!r}.")
+            self.stages = (Stage(self.layer, self.keep),)
+        if self.stages is not None:
+            self.keep = self.stages[-1].keep

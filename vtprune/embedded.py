@@ -1,0 +1,25 @@
+"""Locate the tiny VLMs that ship inside the vtprune package (trained on the vtprune-shapes task)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+EMBEDDED_MODELS: dict[str, str] = {"llava": "vtprune-llava-shapes", "qwen2_vl": "vtprune-qwen2vl-shapes"}
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+
+
+def embedded_model_path(name: str = "llava") -> Path:
+    """Folder of the embedded model ``name`` (a key of :data:`EMBEDDED_MODELS`), loadable with ``from_pretrained``.
+
+    Raises ``KeyError`` for an unknown name and ``FileNotFoundError`` (naming the training command) when the
+    weights are not present in the package data.
+    """
+    if name not in EMBEDDED_MODELS:
+        raise KeyError(f"unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}")
+    path = MODELS_DIR / EMBEDDED_MODELS[name]
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise FileNotFoundError(
+            f"embedded model {name!r} not found at {path}. Train it with: "
+            f"python -m vtprune.eval.train_tiny --arch {name} --minutes 80 --out {path}"
+        )
+    return path

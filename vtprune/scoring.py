@@ -1,0 +1,91 @@
+"""What a criterion sees when it scores visual tokens, and the attention rows it can ask for.
+
+Attention is recomputed from the scoring layer's own q/k projections and rotary embedding for a few
+query positions (``vtprune.kernels.visual_attention_scores``), so the model keeps running SDPA or
+FlashAttention and no ``L x L`` matrix is ever built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vtprune.adapters.base import Adapter, VisualSegment
+
+
+@dataclass
+class ScoreContext:
+    """Inputs of one scoring call, for the current (possibly already pruned) sequence of ``L`` slots.
+
+    Attributes
+    ----------
+    hidden: ``[B, L, D]`` input hidden states of ``layer``.
+    layer_index / layer: the decoder layer whose projections score (``-1`` / None for the pre-LLM stage).
+    position_embeddings: ``(cos, sin)`` ``[B, L, d]`` for the current slots (None for the pre-LLM stage).
+    valid: ``[B, L]`` bool, False on padding.
+    visual: ``[B, L]`` bool, True on alive visual tokens.
+    ordinal: ``[B, L]`` long, the visual token's index in the sample's original visual tokens (grid order),
+        ``-1`` elsewhere.
+    num_visual: ``[B]`` long, original visual-token count per sample (``N0``).
+    segments: per sample, its images / videos (grids) in visual-token order.
+    inputs: the model call's keyword inputs (``pixel_values``, ``image_sizes``, grids ...).
+    state: per-forward scratch space of the method (cleared at each new prefill).
+    """
+
+    hidden: torch.Tensor
+    layer_index: int
+    layer: nn.Module | None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None
+    valid: torch.Tensor
+    visual: torch.Tensor
+    ordinal: torch.Tensor
+    num_visual: torch.Tensor
+    segments: list[list[VisualSegment]]
+    adapter: Adapter
+    inputs: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def last_query(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index ``[B, 1]`` of each sample's last valid slot (its last prompt token) and an all-True mask."""
+        length = self.valid.shape[1]
+        positions = torch.arange(length, device=self.valid.device).expand_as(self.valid)
+        last = torch.where(self.valid, positions, torch.full_like(positions, -1)).max(dim=1).values
+        return last[:, None], torch.ones_like(last[:, None], dtype=torch.bool)
+
+    def instruction_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices ``[B, Q]`` of the valid text slots after each sample's last visual token, and their mask."""
+        length = self.valid.shape[1]
+        positions = torch.arange(length, device=self.valid.device).expand_as(self.valid)
+        last_visual = torch.where(self.visual, positions, torch.full_like(positions, -1)).max(dim=1).values
+        chosen = self.valid & ~self.visual & (positions > last_visual[:, None])
+        count = chosen.sum(dim=1)
+        width = max(int(count.max()), 1)
+        order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        mask = torch.arange(width, device=order.device)[None, :] < count[:, None]
+        fallback, _ = self.last_query()
+        index = torch.where(mask, order, fallback.expand_as(order))
+        return index, mask | (count[:, None] == 0) & (torch.arange(width, device=order.device) == 0)
+
+    def attention(self, queries: str = "last") -> torch.Tensor:
+        """Head- and query-averaged attention ``[B, L]`` (fp32) that ``queries`` pay to every slot.
+
+        ``queries`` is ``"last"`` (the last prompt token, FastV / PyramidDrop) or ``"instruction"`` (the
+        text after the last visual token, TransPrune's IGA). Normalised over all keys, as the model does.
+        """
+        from vtprune.kernels import visual_attention_scores
+
+        if self.layer is None or self.position_embeddings is None:
+            raise RuntimeError("attention scores need a decoder layer; the pre-LLM stage has none.")
+        index, mask = self.last_query() if queries == "last" else self.instruction_queries()
+        query, key = self.adapter.project_qk(self.layer, self.hidden, self.position_embeddings, index)
+        return visual_attention_scores(
+            query,
+            key,
+            query_positions=index,
+            key_valid=self.valid,
+            query_valid=mask,
+            scaling=float(getattr(self.layer.self_attn, "scaling", query.shape[-1] ** -0.5)),
+        )
