@@ -192,7 +192,7 @@ class PruneHandle:
         stage = self.stages[0]
         embeds = kwargs["inputs_embeds"]
         ctx = self._context(call, view, embeds, -1, None, None)
-        keep = self._select(call, ctx, stage, view)
+        keep, embeds = self._select(call, ctx, stage, view, embeds)
         layout = repad(keep, call.left_padding)
         kwargs = dict(kwargs)
         kwargs["inputs_embeds"] = gather_tokens(embeds, layout.index, 1)
@@ -249,7 +249,7 @@ class PruneHandle:
                 call.pending_scores = self.method.score(ctx, stage)
             if stage.layer != index:
                 break
-            keep = self._select(call, ctx, stage, call.view)
+            keep, hidden = self._select(call, ctx, stage, call.view, hidden)
             hidden = gather_tokens(hidden, repad(keep, call.left_padding).index, 1)
             call.views.append(next_view(call.view, keep, call.left_padding))
             call.next_stage += 1
@@ -335,7 +335,9 @@ class PruneHandle:
             segments=call.segments, adapter=self.adapter, inputs=call.inputs, state=call.method_state,
         )
 
-    def _select(self, call: CallState, ctx: ScoreContext, stage: Stage, view: StageView) -> torch.Tensor:
+    def _select(self, call: CallState, ctx: ScoreContext, stage: Stage, view: StageView,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep mask ``[B, L]`` of the stage (and possibly merged hidden states); records the stats."""
         scores = call.pending_scores
         if scores is None or scores.shape != view.valid.shape:
             scores = self.method.score(ctx, stage)
@@ -343,10 +345,11 @@ class PruneHandle:
         counts = torch.tensor([keep_count(stage.keep, int(n)) for n in call.num_visual.tolist()],
                               device=view.valid.device)
         keep = select_keep(scores, view.visual, view.valid, counts)
+        keep, hidden = self.method.refine(ctx, stage, keep, scores, hidden)
         kept_visual = keep & view.visual
         call.stats.stage_layers.append(stage.layer)
         call.stats.kept.append(kept_visual.sum(dim=1).tolist())
         call.stats.kept_indices.append(
             [sorted(view.ordinal[b][kept_visual[b]].tolist()) for b in range(keep.shape[0])]
         )
-        return keep
+        return keep, hidden

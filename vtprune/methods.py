@@ -24,6 +24,20 @@ def register_method(cls: type[Method]) -> type[Method]:
     return cls
 
 
+def load_method_config(path: str) -> dict[str, Any]:
+    """Options saved by ``vtprune tune`` (a JSON object of :func:`vtprune.wrap` keyword arguments)."""
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"method config {path!r} does not exist; create it with `vtprune tune ... --out FILE`.")
+    config = json.loads(file.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"method config {path!r} must hold a JSON object of wrap() options, got {type(config).__name__}.")
+    return config.get("wrap_options", config)
+
+
 def list_methods() -> list[str]:
     """Names accepted by ``vtprune.wrap(model, method=...)``."""
     _load_criteria()
@@ -87,6 +101,14 @@ class Method:
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
         """Scores ``[B, L]`` for the current slots; only alive visual slots are ranked (higher is kept)."""
         raise NotImplementedError
+
+    def refine(self, ctx: ScoreContext, stage: Stage, keep: torch.Tensor, scores: torch.Tensor,
+               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Optionally change the keep mask ``[B, L]`` and the hidden states ``[B, L, D]`` before slicing.
+
+        Merging methods write merged tokens into kept slots here (e.g. VFlowOpt recycling). Default: as is.
+        """
+        return keep, hidden
 
 
 @register_method
