@@ -1,0 +1,1 @@
+"""Importance criteria beyond the baselines; importing this package registers their methods."""
