@@ -74,7 +74,7 @@ def merge_tokens_triton(
     bsz, n_tok, dim = x.shape
     acc = torch.zeros(bsz, num_targets, dim, dtype=torch.float32, device=x.device)
     wsum = torch.zeros(bsz, num_targets, dtype=torch.float32, device=x.device)
-    block_n = min(32, triton.next_power_of_2(n_tok))
+    block_n = min(16, triton.next_power_of_2(n_tok))
     block_d = min(128, triton.next_power_of_2(dim))
     tiles_n = triton.cdiv(n_tok, block_n)
     grid = (bsz * tiles_n, triton.cdiv(dim, block_d))

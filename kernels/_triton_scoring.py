@@ -5,7 +5,8 @@ the row max ``m`` and sum ``l`` (base-2 domain) of their split; a tiny torch com
 (flash-decoding style, so B=1/Q=1 still fills the GPU). Pass 2 (accumulate): programs over
 ``(b, kv head, key tile)`` load the key tile once, loop over the query heads of the group and the query tiles,
 recompute the logits and add ``coef[q] * exp2(s - m) / l`` per key into per-``(b, kv head)`` partials
-``[B, H_kv, L]``, summed on the host (deterministic, no atomics). Nothing of size ``[B, H, Q, L]`` is stored.
+``[B, H_kv, L]``, then summed by torch (deterministic, no atomics). Nothing of size ``[B, H, Q, L]`` is stored.
+Limits: one key tile of ``BLOCK_D = next_pow2(head_dim)`` columns lives in registers, so head_dim <= 256.
 """
 
 from __future__ import annotations

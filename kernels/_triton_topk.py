@@ -102,14 +102,7 @@ def segmented_topk_triton(
     out = torch.full((bsz, k_max), -1, dtype=torch.long, device=scores.device)
     block = min(BLOCK, max(16, triton.next_power_of_2(n_cols)))
     _segmented_topk_kernel[(bsz,)](
-        scores,
-        lengths,
-        k,
-        out,
-        scores.stride(0),
-        out.stride(0),
-        BLOCK=block,
-        RADIX_BITS=RADIX_BITS,
-        num_warps=4,
-    )
+        scores, lengths, k, out, scores.stride(0), out.stride(0),
+        BLOCK=block, RADIX_BITS=RADIX_BITS, num_warps=8 if block >= 1024 else 4,
+    )  # fmt: skip
     return out

@@ -87,7 +87,7 @@ def merge_tokens(
     Args:
         x: ``[B, N, D]`` float tokens (any float dtype; accumulation is fp32).
         assign: ``[B, N]`` integer target of each token in ``[0, T)``, or ``-1`` to drop it.
-        weight: ``[B, N]`` float weights ``>= 0`` (e.g. ToMe token sizes).
+        weight: ``[B, N]`` float weights ``>= 0`` (e.g. ToMe token sizes); ignored for dropped tokens.
         num_targets: ``T``, the number of output tokens per sample.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
 
