@@ -1,0 +1,240 @@
+"""``vtprune bench``: accuracy, evidence recall and cost of every method x keep on the vtprune-shapes task.
+
+One CSV row per model x method x keep x question type (plus ``all``), with the run conditions; then a
+Markdown table and PNG plots (``vtprune.eval.bench_report``). Speed on realistic geometry is measured by
+``--speed`` on a random-weight speed-proxy model (``vtprune.eval.bench_speed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+DEFAULT_METHODS = "none,random,oracle,fastv,fastv+debias,pdrop,transprune,ttv,vflowopt"
+DEFAULT_KEEPS = "1,0.5,0.33,0.25,0.11"
+
+
+@dataclass
+class Item:
+    """One question about one image, with its evidence as a visual-token mask (filled at run time)."""
+
+    image: object
+    question: str
+    answer: str
+    qtype: str
+    boxes: list
+
+
+def load_items(split: str, n_images: int) -> list[Item]:
+    """Every question of the first ``n_images`` images of ``split``."""
+    from vtprune.eval.shapes import make_split
+
+    return [Item(s.image, q.text, q.answer, q.qtype, q.boxes) for s in make_split(split, n_images)
+            for q in s.questions]
+
+
+def evidence_weights(item: Item, segments) -> torch.Tensor:
+    """``[N]`` 1.0 on the visual tokens covered by the answer object's boxes (first image's grid)."""
+    from vtprune.eval.shapes import evidence_mask
+
+    segment = segments[0]
+    mask = evidence_mask(item.boxes, item.image.size, segment.h, segment.w) if item.boxes else np.zeros(
+        segment.h * segment.w, dtype=bool)
+    weights = torch.zeros(segment.length)
+    weights[: mask.size] = torch.from_numpy(mask.astype(np.float32))
+    return weights
+
+
+def normalise(text: str) -> str:
+    return text.strip().lower().rstrip(".").replace(" ", "-")
+
+
+def available_methods(requested: list[str]) -> list[str]:
+    """Requested methods that exist in this install (criteria may land later); warns about the rest."""
+    from vtprune.methods import list_methods
+
+    known = set(list_methods())
+    kept = [m for m in requested if m.split("+")[0] in known]
+    for missing in sorted(set(requested) - set(kept)):
+        print(f"[bench] skipping unknown method {missing!r} (known: {', '.join(sorted(known))})")
+    return kept
+
+
+def evaluate(model, processor, items: list[Item], method: str, keep: float, batch_size: int,
+             progress: tqdm | None = None) -> list[dict]:
+    """Answer every item with ``method`` at ``keep``; one record per item (correct, recall, kept)."""
+    import vtprune
+    from vtprune.adapters import get_adapter
+    from vtprune.pipeline import build_inputs
+
+    adapter = get_adapter(model)
+    handle = vtprune.wrap(model, method, keep=keep)
+    records = []
+    try:
+        for start in range(0, len(items), batch_size):
+            batch = items[start:start + batch_size]
+            inputs = build_inputs(processor, [i.image for i in batch], [i.question for i in batch],
+                                  model.config.model_type)
+            segments = adapter.segments(inputs["input_ids"], inputs)
+            evidence = [evidence_weights(item, seg) for item, seg in zip(batch, segments)]
+            handle.set_evidence(evidence)
+            with torch.inference_mode():
+                output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+            texts = processor.batch_decode(output[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            stats = handle.last_stats
+            for row, (item, text) in enumerate(zip(batch, texts)):
+                records.append(_record(item, text, evidence[row], stats, row))
+            if progress is not None:
+                progress.update(len(batch))
+    finally:
+        handle.remove()
+    return records
+
+
+def _record(item: Item, text: str, evidence: torch.Tensor, stats, row: int) -> dict:
+    total = stats.visual_tokens[row] if stats else int(evidence.numel())
+    kept_final = stats.kept_indices[-1][row] if stats and stats.kept_indices else list(range(total))
+    ev = evidence.nonzero().flatten().tolist()
+    recall = len(set(ev) & set(kept_final)) / len(ev) if ev else float("nan")
+    return {"qtype": item.qtype, "correct": float(normalise(text) == normalise(item.answer)), "recall": recall,
+            "visual": total, "kept": [s[row] for s in stats.kept] if stats else [],
+            "stages": list(stats.stage_layers) if stats else []}
+
+
+def timing_ms(model, processor, items: list[Item], method: str, keep: float, repeats: int) -> dict:
+    """p20/p50/p80 of prefill and of one decode step, batch 1, after a warm-up, for ``method`` at ``keep``."""
+    import vtprune
+    from vtprune.pipeline import build_inputs
+
+    prefill, decode = [], []
+    with vtprune.apply(model, method, keep=keep) as handle, torch.inference_mode():
+        for item in items:
+            inputs = build_inputs(processor, [item.image], [item.question], model.config.model_type)
+            handle.set_evidence([torch.zeros(4096)])
+            for step in range(repeats + 1):
+                start = time.perf_counter()
+                out = model(**inputs, use_cache=True, logits_to_keep=1)
+                middle = time.perf_counter()
+                next_ids = out.logits[:, -1:].argmax(-1)
+                mask = torch.cat([inputs["attention_mask"], torch.ones_like(next_ids)], dim=1)
+                model(input_ids=next_ids, attention_mask=mask, cache=out.cache, logits_to_keep=1)
+                end = time.perf_counter()
+                if step:
+                    prefill.append((middle - start) * 1000)
+                    decode.append((end - middle) * 1000)
+    q = lambda values, p: float(np.percentile(values, p))  # noqa: E731
+    return {f"{name}_ms_p{p}": round(q(values, p), 3) for name, values in (("prefill", prefill), ("decode", decode))
+            for p in (20, 50, 80)}
+
+
+def cost(model, records: list[dict], text_tokens: int) -> dict:
+    """Theoretical prefill FLOPs and KV bytes for the mean kept counts of ``records`` (batch 1)."""
+    from vtprune.flops import LMShape, kv_cache_bytes, prefill_flops, tokens_per_layer
+
+    shape = LMShape.from_config(model.config)
+    visual = int(round(np.mean([r["visual"] for r in records])))
+    stages = [(layer, int(round(np.mean([r["kept"][i] for r in records]))))
+              for i, layer in enumerate(records[0]["stages"])] if records[0]["stages"] else []
+    per_layer = tokens_per_layer(shape, text_tokens, visual, stages)
+    full = tokens_per_layer(shape, text_tokens, visual, [])
+    flops = prefill_flops(shape, per_layer)
+    return {"prefill_gflops": round(flops / 1e9, 6), "flops_ratio": round(flops / prefill_flops(shape, full), 4),
+            "kv_cache_bytes": kv_cache_bytes(shape, per_layer, next(model.parameters()).element_size()),
+            "kept_per_stage": ";".join(f"{layer}:{n}" for layer, n in stages)}
+
+
+def summarise(records: list[dict]) -> dict[str, dict]:
+    """Accuracy and evidence recall per question type and overall."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[r["qtype"]].append(r)
+        groups["all"].append(r)
+    out = {}
+    for qtype, rows in groups.items():
+        recalls = [r["recall"] for r in rows if not np.isnan(r["recall"])]
+        out[qtype] = {"n": len(rows), "accuracy": round(float(np.mean([r["correct"] for r in rows])), 4),
+                      "evidence_recall": round(float(np.mean(recalls)), 4) if recalls else float("nan"),
+                      "mean_kept": round(float(np.mean([r["kept"][-1] if r["kept"] else r["visual"] for r in rows])), 2)}
+    return out
+
+
+def run(args: argparse.Namespace) -> Path:
+    """The whole benchmark; returns the CSV path."""
+    from vtprune.eval.bench_report import conditions, write_report
+    from vtprune.loading import load, model_label
+
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, processor = load(args.model, args.attn, args.dtype, args.device)
+    items = load_items(args.split, args.images)
+    methods = available_methods([m for m in args.methods.split(",") if m])
+    keeps = [float(k) for k in args.keep.split(",") if k]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = conditions(model, args)
+    text_tokens = _text_tokens(model, processor, items[0])
+    rows = []
+    progress = tqdm(total=len(methods) * len(keeps) * len(items), desc="bench", unit="q")
+    for method in methods:
+        for keep in keeps:
+            records = evaluate(model, processor, items, method, keep, args.batch_size, progress)
+            timing = timing_ms(model, processor, items[: args.timing_samples], method, keep, args.repeats)
+            common = {"model": model_label(args.model), "method": method, "keep": keep,
+                      **cost(model, records, text_tokens), **timing, **env}
+            for qtype, summary in summarise(records).items():
+                rows.append({**common, "qtype": qtype, **summary})
+    progress.close()
+    path = out / "bench.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    write_report(path, out)
+    print(f"[bench] wrote {path}, {out / 'bench.md'} and plots")
+    return path
+
+
+def _text_tokens(model, processor, item: Item) -> int:
+    from vtprune.adapters import get_adapter
+    from vtprune.pipeline import build_inputs
+
+    ids = build_inputs(processor, [item.image], [item.question], model.config.model_type)["input_ids"]
+    return int(ids.shape[1] - get_adapter(model).visual_mask(ids).sum())
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="accuracy / evidence recall / cost of methods x keep fractions")
+    parser.add_argument("--model", default=None, help="folder or hub id; default: the embedded LLaVA")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--keep", default=DEFAULT_KEEPS, help="comma-separated keep fractions")
+    parser.add_argument("--split", default="test")
+    parser.add_argument("--images", type=int, default=100, help="images (6 questions each)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--timing-samples", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch default; 1 avoids thread thrashing on shared CPUs)")
+    parser.add_argument("--out", default="runs/bench")
+    parser.add_argument("--speed", action="store_true", help="run the speed-proxy benchmark instead")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    if args.speed:
+        from vtprune.eval.bench_speed import run_speed
+
+        run_speed(args)
+    else:
+        run(args)
+    return 0
