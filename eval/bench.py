@@ -227,6 +227,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch default; 1 avoids thread thrashing on shared CPUs)")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--speed", action="store_true", help="run the speed-proxy benchmark instead")
+    parser.add_argument("--speed-hidden", type=int, default=1024, help="speed proxy: LM hidden size")
+    parser.add_argument("--speed-layers", type=int, default=16, help="speed proxy: LM layers")
+    parser.add_argument("--speed-tokens", default="all", help="speed proxy: 576, 2916 or all")
+    parser.add_argument("--layer", type=int, default=None, help="speed proxy: pruning layer (default: method's)")
     parser.set_defaults(func=_command)
 
 
