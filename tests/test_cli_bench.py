@@ -1,0 +1,83 @@
+"""The CLI and the benchmark end to end on small slices (tiny random model and the embedded model)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vtprune
+from vtprune.eval.bench import evaluate, load_items
+
+CLI = [sys.executable, "-m", "vtprune.cli"]
+
+
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=check)
+
+
+def test_run_json_reports_what_was_kept():
+    out = _run("run", "--model", "tiny:llava", "--method", "fastv", "--keep", "0.25", "--json")
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"answer", "method", "keep", "visual_tokens", "kept_tokens", "prefill_ms", "kept_indices"} <= set(record)
+    assert record["kept_tokens"] == vtprune.keep_count(0.25, record["visual_tokens"])
+    assert len(record["kept_indices"][0]) == record["kept_tokens"]
+    assert record["prefill_ms"] > 0
+
+
+def test_run_bad_value_is_a_clear_error():
+    out = _run("run", "--model", "tiny:llava", "--method", "fastv", "--keep", "1.5", check=False)
+    assert out.returncode == 2
+    assert "keep must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
+    out = _run("run", "--model", "tiny:llava", "--method", "nope", check=False)
+    assert "known methods" in out.stderr
+
+
+def test_info_lists_models_and_methods():
+    out = _run("info")
+    assert "qwen2_5_vl" in out.stdout and "fastv" in out.stdout
+
+
+def test_bench_writes_a_well_formed_csv_table_and_plots(tmp_path):
+    _run("bench", "--model", "tiny:llava", "--images", "2", "--methods", "none,fastv,oracle", "--keep", "1,0.25",
+         "--timing-samples", "1", "--repeats", "1", "--out", str(tmp_path))
+    with (tmp_path / "bench.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == {"none", "fastv", "oracle"}
+    required = {"accuracy", "evidence_recall", "kept_per_stage", "prefill_gflops", "kv_cache_bytes",
+                "prefill_ms_p20", "prefill_ms_p50", "prefill_ms_p80", "decode_ms_p50", "device", "dtype",
+                "attn_implementation", "batch_size", "torch", "transformers", "git_sha"}
+    assert required <= set(rows[0])
+    overall = {(r["method"], float(r["keep"])): r for r in rows if r["qtype"] == "all"}
+    assert float(overall[("none", 1.0)]["evidence_recall"]) == 1.0
+    assert float(overall[("fastv", 0.25)]["flops_ratio"]) < 1.0
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows)
+    assert (tmp_path / "bench.md").read_text().startswith("| method |")
+    assert (tmp_path / "accuracy_recall_vs_keep.png").stat().st_size > 1000
+
+
+def test_oracle_recall_is_one_when_the_budget_covers_the_evidence():
+    from vtprune.testing import tiny_model
+
+    model, processor = tiny_model("llava", image_size=112)
+    items = load_items("test", 3)
+    records = evaluate(model, processor, items, "oracle", 0.5, batch_size=6)
+    budget = vtprune.keep_count(0.5, 64)
+    covered = [r for r in records if r["recall"] == r["recall"]]
+    assert covered, "the slice has questions with evidence"
+    for record in covered:
+        assert record["kept"] == [budget]
+        assert record["recall"] == pytest.approx(1.0)
+
+
+def test_speed_proxy_runs_and_reports_overhead(tmp_path):
+    _run("bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576", "--speed-hidden",
+         "128", "--speed-layers", "4", "--repeats", "1", "--out", str(tmp_path))
+    with (tmp_path / "speed.csv").open() as f:
+        row = next(csv.DictReader(f))
+    assert float(row["speedup_flops"]) > 1.0 and float(row["speedup_measured"]) > 0
+    assert torch.isfinite(torch.tensor(float(row["scoring_overhead_pct"])))
