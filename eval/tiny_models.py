@@ -1,0 +1,230 @@
+"""Tokenizer, processors, tiny model configs and per-patch auxiliary targets for the embedded vtprune VLMs.
+
+Used by :mod:`vtprune.eval.train_tiny`. The tokenizer is a whole-word vocabulary (the task's template words,
+answers and specials) run through a ``tokenizers`` WordPiece model: every word is one token, and numbers
+are spelt digit by digit ("352" -> ``3 ##5 ##2``) so that decoding glues them back to "352".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
+from transformers import PreTrainedTokenizerFast
+from vtprune.eval import shapes as S
+
+CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
+CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+SPECIALS: tuple[str, ...] = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
+QWEN_SPECIALS: tuple[str, ...] = (
+    "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+CHAT_WORDS: tuple[str, ...] = ("USER", "ASSISTANT", "user", "assistant", "system", ":", "?", ".", ",")
+
+# LLaVA-1.5 style prompt: "USER: <image>\n{q} ASSISTANT:" ; the assistant turn is " {a}</s>".
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}USER: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>\n{% endif %}{% endfor %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% endif %} "
+    "{% else %}ASSISTANT: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}</s>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def task_words() -> list[str]:
+    """Every word the shapes task (images and videos) can produce, in a stable order."""
+    texts = list(S.TEMPLATES.values()) + list(S.VIDEO_TEMPLATES.values()) + [S.VIDEO_SUFFIX]
+    words: list[str] = list(CHAT_WORDS)
+    fill = list(S.COLORS) + list(S.SHAPES) + list(S.PLURALS.values()) + list(S.QUADRANTS) + list(S.YES_NO)
+    fill += list(S.OPTION_LETTERS) + [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
+    for t in texts:
+        for w in t.replace("?", " ").replace(".", " ").split():
+            if not w.startswith("{"):
+                fill.append(w)
+    for w in fill:
+        if w not in words:
+            words.append(w)
+    return words
+
+
+def build_tokenizer(
+    extra_specials: tuple[str, ...] = (), named: dict[str, str] | None = None
+) -> PreTrainedTokenizerFast:
+    """Whole-word tokenizer; ids 0..4 are ``<pad> <s> </s> <unk> <image>``, then ``extra_specials``.
+
+    ``named`` sets the processor-visible special tokens (default ``{"image_token": "<image>"}``).
+    """
+    specials = list(SPECIALS) + list(extra_specials)
+    vocab = {t: i for i, t in enumerate(specials + task_words())}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", max_input_chars_per_word=64))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"[^A-Za-z0-9\-#]"), behavior="isolated")]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False,
+        extra_special_tokens=named or {"image_token": "<image>"},
+    )
+
+
+def build_llava_processor(tok: PreTrainedTokenizerFast, image_size: int):
+    """LlavaProcessor (CLIP image processor at ``image_size``, patch 14, CLS dropped) with the chat template."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    ip = CLIPImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        do_center_crop=True,
+    )
+    return LlavaProcessor(
+        image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+
+
+def build_llava(tok: PreTrainedTokenizerFast, image_size: int = 112, vision_width: int = 128,
+                text_width: int = 192, layers: int = 4):
+    """A tiny from-scratch LlavaForConditionalGeneration (CLIP vision + Llama text)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vcfg = CLIPVisionConfig(hidden_size=vision_width, intermediate_size=2 * vision_width, num_hidden_layers=layers,
+                            num_attention_heads=4, image_size=image_size, patch_size=14)
+    tcfg = LlamaConfig(vocab_size=len(tok), hidden_size=text_width, intermediate_size=2 * text_width,
+                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=512, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                       eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    cfg = LlavaConfig(vision_config=vcfg, text_config=tcfg, image_token_id=tok.convert_tokens_to_ids("<image>"),
+                      vision_feature_layer=-1, vision_feature_select_strategy="default",
+                      projector_hidden_act="gelu")
+    cfg.pad_token_id = tok.pad_token_id
+    cfg.eos_token_id = tok.eos_token_id
+    model = LlavaForConditionalGeneration(cfg)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.bos_token_id = tok.bos_token_id
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dense auxiliary targets on the vision tower (dropped at save)
+# ----------------------------------------------------------------------------------------------------------
+AUX_HEADS: dict[str, int] = {"color": len(S.COLORS) + 1, "shape": len(S.SHAPES) + 1, "quadrant": 4, "digit": 11}
+
+
+class AuxHead(nn.Module):
+    """Linear per-patch classifiers (colour, shape, quadrant, digit) on the vision tower's patch features."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.heads = nn.ModuleDict({k: nn.Linear(width, n) for k, n in AUX_HEADS.items()})
+
+    def forward(self, feats: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over heads; ``feats`` [B, P, D], labels [B, P] each."""
+        losses = [nn.functional.cross_entropy(h(feats).flatten(0, 1), labels[k].flatten())
+                  for k, h in self.heads.items()]
+        return torch.stack(losses).mean()
+
+
+def _box_cover(box: S.Box, grid: int, patch: int) -> np.ndarray:
+    """Fraction of each patch (grid x grid) covered by ``box``."""
+    edges = np.arange(grid + 1) * patch
+    ox = np.clip(np.minimum(edges[1:], box[2]) - np.maximum(edges[:-1], box[0]), 0, None)
+    oy = np.clip(np.minimum(edges[1:], box[3]) - np.maximum(edges[:-1], box[1]), 0, None)
+    return np.outer(oy, ox) / float(patch * patch)
+
+
+def patch_labels(objects: list[S.SceneObject], grid: int, patch: int = 14, min_cover: float = 0.25
+                 ) -> dict[str, np.ndarray]:
+    """Per-patch class ids (row-major, ``grid*grid``) for the auxiliary heads; 0 = background/none."""
+    best = np.full((grid, grid), min_cover - 1e-6)
+    color = np.zeros((grid, grid), np.int64)
+    shape = np.zeros((grid, grid), np.int64)
+    digit = np.zeros((grid, grid), np.int64)
+    for o in objects:
+        cov = _box_cover(o.box, grid, patch)
+        win = cov > best
+        best = np.where(win, cov, best)
+        if o.shape is not None:
+            color[win], shape[win], digit[win] = S.COLORS.index(o.color) + 1, S.SHAPES.index(o.shape) + 1, 0
+        else:
+            color[win], shape[win], digit[win] = 0, 0, int(o.digit) + 1
+    rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+    quad = (rows >= grid / 2).astype(np.int64) * 2 + (cols >= grid / 2).astype(np.int64)
+    return {"color": color.reshape(-1), "shape": shape.reshape(-1), "digit": digit.reshape(-1),
+            "quadrant": quad.reshape(-1)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LLaVA training batches
+# ----------------------------------------------------------------------------------------------------------
+class LlavaBatcher:
+    """Turns shapes samples into (input_ids, labels, pixel_values, patch labels) tensors."""
+
+    def __init__(self, tok, image_size: int):
+        self.tok = tok
+        self.grid = image_size // 14
+        self.n_img = self.grid * self.grid
+        self.image_id = tok.convert_tokens_to_ids("<image>")
+        self.cache: dict[str, list[int]] = {}
+
+    def _ids(self, text: str) -> list[int]:
+        if text not in self.cache:
+            self.cache[text] = self.tok(text, add_special_tokens=False)["input_ids"]
+        return self.cache[text]
+
+    def conversation(self, qs: list[S.Question]) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        labels: list[int] = []
+        for k, q in enumerate(qs):
+            prompt = f"USER: <image>\n{q.text} ASSISTANT:" if k == 0 else f"USER: {q.text} ASSISTANT:"
+            p = self._ids(prompt)
+            if k == 0:
+                i = p.index(self.image_id)
+                p = p[:i] + [self.image_id] * self.n_img + p[i + 1:]
+            a = self._ids(" " + q.answer) + [self.tok.eos_token_id]
+            ids += p + a
+            labels += [-100] * len(p) + a
+        return ids, labels
+
+    def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict[str, torch.Tensor]:
+        seqs = []
+        for s in samples:
+            order = rng.permutation(len(s.questions))
+            seqs.append(self.conversation([s.questions[i] for i in order]))
+        n = max(len(i) for i, _ in seqs)
+        pad = self.tok.pad_token_id
+        ids = torch.tensor([i + [pad] * (n - len(i)) for i, _ in seqs])  # right padding: causal, no mask needed
+        lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb in seqs])
+        aux = [patch_labels(s.objects, self.grid) for s in samples]
+        return {"inputs": {"input_ids": ids, "pixel_values": to_pixels([s.image for s in samples])}, "labels": lab,
+                "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in AUX_HEADS}}
+
+
+def to_pixels(images) -> torch.Tensor:
+    """CLIP normalisation of already-sized images (identical to the CLIP processor at this size)."""
+    arr = np.stack([np.asarray(im, np.float32) / 255.0 for im in images])
+    return torch.from_numpy(((arr - CLIP_MEAN) / CLIP_STD).transpose(0, 3, 1, 2).copy())
+
+
+def check_consistency(processor, batcher: LlavaBatcher, cfg: S.ShapesConfig) -> None:
+    """Training tensors must equal what the shipped processor + chat template produce."""
+    s = S.generate_image_sample(S.SPLIT_SEEDS["val"], 0, cfg)
+    msgs = []
+    for q in s.questions[:2]:
+        msgs += [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q.text}]}
+                 if not msgs else {"role": "user", "content": [{"type": "text", "text": q.text}]},
+                 {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+    text = processor.apply_chat_template(msgs)
+    enc = processor(images=[s.image], text=[text], return_tensors="pt")
+    ids, _ = batcher.conversation(s.questions[:2])
+    assert enc["input_ids"][0].tolist() == ids, (text, enc["input_ids"][0].tolist(), ids)
+    assert torch.allclose(enc["pixel_values"], to_pixels([s.image]), atol=1e-5), "pixel preprocessing differs"

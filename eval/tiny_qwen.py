@@ -1,0 +1,138 @@
+"""Tiny Qwen2-VL for vtprune-shapes: tokenizer, processor (torchvision-free), model and training batches.
+
+Qwen processors cannot be saved whole without torchvision (no video processor), so an export holds the
+tokenizer (with the chat template) and the image processor; rebuild the processor with
+:func:`load_qwen_processor` (``AutoTokenizer`` + ``AutoImageProcessor`` + :class:`NoVideoQwen2VLProcessor`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import Qwen2VLProcessor
+from vtprune.eval import shapes as S
+from vtprune.eval import tiny_models as M
+
+QWEN_IMAGE_SIZE = 224  # 16x16 patches of 14 px -> 8x8 = 64 LM tokens after the 2x2 merge
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% endif %}{% endfor %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class NoVideoQwen2VLProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor that accepts ``video_processor=None`` (the video processor needs torchvision)."""
+
+    def check_argument_for_proper_class(self, name, arg):
+        return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+
+def build_qwen_tokenizer():
+    tok = M.build_tokenizer(M.QWEN_SPECIALS, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"})
+    tok.chat_template = QWEN_CHAT_TEMPLATE
+    tok.eos_token = "<|im_end|>"
+    return tok
+
+
+def build_qwen_processor(tok, image_size: int = QWEN_IMAGE_SIZE) -> NoVideoQwen2VLProcessor:
+    from transformers import Qwen2VLImageProcessor
+
+    px = image_size * image_size
+    ip = Qwen2VLImageProcessor(patch_size=14, merge_size=2, size={"shortest_edge": px, "longest_edge": px})
+    return NoVideoQwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=None,
+                                   chat_template=QWEN_CHAT_TEMPLATE)
+
+
+def load_qwen_processor(path: str | Path) -> NoVideoQwen2VLProcessor:
+    """Rebuild the processor of an exported tiny Qwen2-VL folder (offline)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    ip = AutoImageProcessor.from_pretrained(path)
+    return NoVideoQwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=None,
+                                   chat_template=QWEN_CHAT_TEMPLATE)
+
+
+def save_qwen_processor(processor: NoVideoQwen2VLProcessor, path: str | Path) -> None:
+    processor.tokenizer.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
+
+
+def build_qwen2vl(tok, vision_width: int = 128, text_width: int = 192, layers: int = 4):
+    """A tiny from-scratch Qwen2VLForConditionalGeneration (head_dim 48 -> mrope_section [8, 8, 8])."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    ids = {k: tok.convert_tokens_to_ids(t) for k, t in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 8, 8]}
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=text_width, intermediate_size=2 * text_width,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, rope_parameters=rope, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         bos_token_id=tok.bos_token_id),
+        vision_config=dict(depth=layers, embed_dim=vision_width, hidden_size=text_width, num_heads=4, mlp_ratio=2,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        **ids,
+    )
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
+    model = Qwen2VLForConditionalGeneration(cfg)
+    gc = model.generation_config
+    gc.pad_token_id, gc.eos_token_id, gc.bos_token_id = tok.pad_token_id, tok.eos_token_id, tok.bos_token_id
+    return model
+
+
+def vision_features(output) -> torch.Tensor:
+    """Merged visual tokens from the ``model.model.visual`` forward output (hook helper), flat [N, D]."""
+    return output.pooler_output
+
+
+class QwenBatcher:
+    """Multi-turn conversations through the real processor; labels on assistant answers + ``<|im_end|>``."""
+
+    def __init__(self, processor: NoVideoQwen2VLProcessor, image_size: int = QWEN_IMAGE_SIZE):
+        self.p = processor
+        self.grid = image_size // 28
+        tok = processor.tokenizer
+        self.start = tok.convert_tokens_to_ids("<|im_start|>")
+        self.end = tok.eos_token_id
+        self.assistant = tok.convert_tokens_to_ids("assistant")
+
+    def _labels(self, ids: torch.Tensor) -> torch.Tensor:
+        labels = torch.full_like(ids, -100)
+        for b in range(ids.shape[0]):
+            row = ids[b].tolist()
+            for i in range(len(row) - 1):
+                if row[i] == self.start and row[i + 1] == self.assistant:
+                    j = i + 2
+                    while j < len(row) and row[j] != self.end:
+                        labels[b, j] = row[j]
+                        j += 1
+                    if j < len(row):
+                        labels[b, j] = row[j]
+        return labels
+
+    def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict:
+        texts = []
+        for s in samples:
+            msgs = []
+            for k in rng.permutation(len(s.questions)):
+                q = s.questions[k]
+                content = ([{"type": "image"}] if not msgs else []) + [{"type": "text", "text": q.text}]
+                msgs += [{"role": "user", "content": content},
+                         {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+            texts.append(self.p.apply_chat_template(msgs))
+        self.p.tokenizer.padding_side = "right"
+        enc = self.p(images=[s.image for s in samples], text=texts, return_tensors="pt", padding=True)
+        self.p.tokenizer.padding_side = "left"
+        aux = [M.patch_labels(s.objects, self.grid, patch=28) for s in samples]
+        return {"inputs": dict(enc), "labels": self._labels(enc["input_ids"]),
+                "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in M.AUX_HEADS}}

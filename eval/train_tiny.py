@@ -1,0 +1,268 @@
+"""Train vtprune's embedded tiny VLM from scratch on CPU on the vtprune-shapes task.
+
+    python -m vtprune.eval.train_tiny --arch llava --minutes 85 --out vtprune/models/vtprune-llava-shapes
+
+Recipe (see docs/shapes_task.md and the model card): several questions per image as one multi-turn
+conversation (loss on answer tokens only), plus a dense per-patch auxiliary loss on the vision tower
+(colour, shape, digit and image quadrant of every patch); the auxiliary head is not part of the saved model.
+The learning rate follows warmup + cosine over ``--steps`` or, with ``--minutes``, over the wall-clock budget.
+The current best checkpoint (by validation accuracy) is exported every ``--export-every`` minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from vtprune.eval import shapes as S
+from vtprune.eval import tiny_eval as E
+from vtprune.eval import tiny_models as M
+from vtprune.eval import tiny_qwen as Q
+
+from vtprune.embedded import EMBEDDED_MODELS, MODELS_DIR
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=["llava", "qwen2_vl"], default="llava")
+    p.add_argument("--out", type=Path, default=None, help="export folder (default: vtprune/models/<name>)")
+    p.add_argument("--workdir", type=Path, default=None, help="checkpoints/logs (default: .train/<arch>)")
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
+    p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
+    p.add_argument("--image-size", type=int, default=None, help="default: 112 (llava), 224 (qwen2_vl)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=150)
+    p.add_argument("--aux-weight", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--export-every", type=float, default=5.0, help="minutes between eval+export")
+    p.add_argument("--val-images", type=int, default=60)
+    p.add_argument("--test-images", type=int, default=200)
+    p.add_argument("--resume", action="store_true", help="continue from <workdir>/ckpt.pt")
+    a = p.parse_args(argv)
+    if a.minutes is None and a.steps is None:
+        p.error("give --minutes and/or --steps")
+    if a.image_size is None:
+        a.image_size = 112 if a.arch == "llava" else 224
+    return a
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------
+def lr_factor(step: int, progress: float, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class Trainer:
+    """Holds model, aux head, optimiser and progress; supports checkpoint/resume and periodic export."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.a = args
+        torch.manual_seed(args.seed)
+        self.cfg = S.ShapesConfig(image_size=args.image_size)
+        if args.arch == "llava":
+            self.tok = M.build_tokenizer()
+            self.processor = M.build_llava_processor(self.tok, args.image_size)
+            self.model = M.build_llava(self.tok, args.image_size)
+            self.aux = M.AuxHead(self.model.config.vision_config.hidden_size)
+            self.batcher = M.LlavaBatcher(self.tok, args.image_size)
+            self.model.model.vision_tower.register_forward_hook(self._grab)
+        else:
+            self.tok = Q.build_qwen_tokenizer()
+            self.processor = Q.build_qwen_processor(self.tok, args.image_size)
+            self.model = Q.build_qwen2vl(self.tok)
+            self.aux = M.AuxHead(self.model.config.text_config.hidden_size)
+            self.batcher = Q.QwenBatcher(self.processor, args.image_size)
+            self.model.model.visual.register_forward_hook(self._grab)
+        params = list(self.model.parameters()) + list(self.aux.parameters())
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0}],
+                                     lr=args.lr, betas=(0.9, 0.98))
+        self.step, self.elapsed, self.curve, self.best = 0, 0.0, [], (-1.0, None)
+        self.feats: torch.Tensor | None = None
+        self.val = S.make_split("val", args.val_images, self.cfg)
+
+    def _grab(self, module, inputs, output) -> None:
+        """Patch features for the aux loss: CLIP output minus CLS, or Qwen's merged tokens (flat)."""
+        self.feats = output.last_hidden_state[:, 1:] if self.a.arch == "llava" else Q.vision_features(output)
+
+    def progress(self) -> float:
+        ps = [self.step / self.a.steps] if self.a.steps else []
+        ps += [self.elapsed / (60 * self.a.minutes)] if self.a.minutes else []
+        return max(ps)
+
+    def train_step(self) -> tuple[float, float]:
+        b = self.a.batch
+        samples = [S.generate_image_sample(S.SPLIT_SEEDS["train"], self.step * b + i, self.cfg) for i in range(b)]
+        batch = self.batcher(samples, np.random.default_rng([self.a.seed, self.step]))
+        for g in self.opt.param_groups:
+            g["lr"] = self.a.lr * lr_factor(self.step, self.progress(), self.a.warmup)
+        logits = self.model(**batch["inputs"]).logits
+        lab = batch["labels"][:, 1:]
+        lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100)
+        aux = self.aux(self.feats.reshape(b, -1, self.feats.shape[-1]), batch["aux"])
+        loss = lm + self.a.aux_weight * aux
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(self.model.parameters()) + list(self.aux.parameters()), 1.0)
+        self.opt.step()
+        self.step += 1
+        return lm.item(), aux.item()
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def save_ckpt(self, path: Path) -> None:
+        state = {"model": self.model.state_dict(), "aux": self.aux.state_dict(), "opt": self.opt.state_dict(),
+                 "step": self.step, "elapsed": self.elapsed, "curve": self.curve, "best": self.best}
+        torch.save(state, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def load_ckpt(self, path: Path) -> None:
+        st = torch.load(path, weights_only=False)
+        self.model.load_state_dict(st["model"])
+        self.aux.load_state_dict(st["aux"])
+        self.opt.load_state_dict(st["opt"])
+        self.step, self.elapsed, self.curve, self.best = st["step"], st["elapsed"], st["curve"], st["best"]
+
+    # -- eval / export ----------------------------------------------------------------------------------
+    def evaluate_and_export(self, loss: float, aux: float, out: Path, workdir: Path) -> None:
+        t0 = time.time()
+        acc = E.evaluate(self.model, self.processor, self.val)
+        row = {"minutes": round(self.elapsed / 60, 2), "step": self.step, "loss": round(loss, 4),
+               "aux_loss": round(aux, 4), **{k: round(v, 4) for k, v in acc.items()}}
+        self.curve.append(row)
+        log(f"eval step {self.step}: " + " ".join(f"{k}={v:.3f}" for k, v in acc.items())
+            + f" ({time.time() - t0:.0f}s)")
+        write_curve_csv(self.curve, workdir / "learning_curve.csv")
+        if acc["overall"] >= self.best[0]:
+            self.best = (acc["overall"], copy.deepcopy(self.model.state_dict()))
+            self.export(out, test_acc=None, status="interim export during training")
+        self.save_ckpt(workdir / "ckpt.pt")
+
+    def export(self, out: Path, test_acc: dict | None, status: str) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        model = copy.deepcopy(self.model)
+        if self.best[1] is not None:
+            model.load_state_dict(self.best[1])
+        model.save_pretrained(out)
+        if self.a.arch == "llava":
+            self.processor.save_pretrained(out)
+        else:
+            Q.save_qwen_processor(self.processor, out)
+        write_curve_csv(self.curve, out / "learning_curve.csv")
+        E.write_card(out, self.card_info(status), self.curve, test_acc)
+        log(f"exported to {out} ({status})")
+
+    def card_info(self, status: str) -> dict:
+        m, a = self.model, self.a
+        t = m.config.text_config
+        llava = a.arch == "llava"
+        vis = m.model.vision_tower if llava else m.model.visual
+        text = (f"- text: {'LlamaForCausalLM' if llava else 'Qwen2-VL text model (M-RoPE)'}, width {t.hidden_size}, "
+                f"{t.num_hidden_layers} layers, {t.num_attention_heads} heads, {t.num_key_value_heads} KV heads, "
+                f"MLP {t.intermediate_size}, vocab {t.vocab_size} (whole-word tokenizer, digits spelt one by one)")
+        return {
+            "name": EMBEDDED_MODELS[a.arch], "class": type(m).__name__, "status": status,
+            "params": sum(p.numel() for p in m.parameters()), "params_vision": sum(p.numel() for p in vis.parameters()),
+            "steps": self.step, "minutes": self.elapsed / 60, "samples": self.step * a.batch, "threads": a.threads,
+            "prompt": ("USER: <image>\\n{question} ASSISTANT:" if llava else
+                       "<|im_start|>user\\n<|vision_start|><|image_pad|>...<|vision_end|>{question}<|im_end|>\\n"
+                       "<|im_start|>assistant\\n"),
+            "arch": self._arch_text(m) + "\n" + text,
+            "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
+                     f"stream (one question of each answerable type per image, shuffled, as a multi-turn chat); "
+                     f"validation = first {a.val_images} `val` images; test = first {a.test_images} "
+                     f"`test` images (all of their questions)."),
+            "optim": (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "
+                      f"cosine to 5 %, batch {a.batch} images, grad clip 1.0, fp32, seed {a.seed}; "
+                      f"auxiliary per-patch loss (colour/shape/digit/quadrant, weight {a.aux_weight}) "
+                      "on the vision tower output, head dropped at save."),
+            "command": "python -m vtprune.eval.train_tiny " + " ".join(sys.argv[1:]),
+        }
+
+    def _arch_text(self, m) -> str:
+        v, size = m.config.vision_config, self.a.image_size
+        if self.a.arch == "llava":
+            g = size // 14
+            return (f"- vision: CLIPVisionModel, width {v.hidden_size}, {v.num_hidden_layers} layers, "
+                    f"{v.num_attention_heads} heads, MLP {v.intermediate_size}, patch 14, {size} px "
+                    f"-> {g}x{g} = {g * g} visual tokens (CLS dropped: vision_feature_select_strategy='default', "
+                    f"vision_feature_layer=-1)\n- projector: LLaVA 2-layer GELU MLP")
+        g = size // 28
+        return (f"- vision: Qwen2-VL ViT, width {v.embed_dim}, {v.depth} layers, {v.num_heads} heads, patch 14, "
+                f"{size} px, 2x2 patch merger -> {g}x{g} = {g * g} visual tokens. Processor: rebuild with "
+                "`vtprune.eval.tiny_qwen.load_qwen_processor(path)` (tokenizer + image processor are saved; "
+                "the full Qwen processor cannot be saved without torchvision); pass `mm_token_type_ids`.")
+
+
+def write_curve_csv(rows: list[dict], path: Path) -> None:
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    out = args.out or MODELS_DIR / EMBEDDED_MODELS[args.arch]
+    workdir = args.workdir or Path(".train") / args.arch
+    workdir.mkdir(parents=True, exist_ok=True)
+    tr = Trainer(args)
+    if args.arch == "llava":
+        M.check_consistency(tr.processor, tr.batcher, tr.cfg)
+    if args.resume and (workdir / "ckpt.pt").exists():
+        tr.load_ckpt(workdir / "ckpt.pt")
+        log(f"resumed at step {tr.step} ({tr.elapsed / 60:.1f} min)")
+    log(f"params {sum(p.numel() for p in tr.model.parameters()):,}; out={out}")
+    t_last, s_last, last_export = time.time(), tr.step, tr.elapsed
+    lm_avg = aux_avg = None
+    while tr.progress() < 1.0:
+        t0 = time.time()
+        lm, aux = tr.train_step()
+        tr.elapsed += time.time() - t0
+        lm_avg = lm if lm_avg is None else 0.95 * lm_avg + 0.05 * lm
+        aux_avg = aux if aux_avg is None else 0.95 * aux_avg + 0.05 * aux
+        if tr.step % args.log_every == 0:
+            sps = (tr.step - s_last) / (time.time() - t_last)
+            t_last, s_last = time.time(), tr.step
+            lr = tr.opt.param_groups[0]["lr"]
+            log(f"step {tr.step} loss {lm_avg:.4f} aux {aux_avg:.4f} lr {lr:.2e} {sps:.2f} steps/s "
+                f"train {tr.elapsed / 60:.1f} min")
+        if tr.elapsed - last_export >= 60 * args.export_every:
+            last_export = tr.elapsed
+            tr.evaluate_and_export(lm_avg, aux_avg, out, workdir)
+    tr.evaluate_and_export(lm_avg or 0.0, aux_avg or 0.0, out, workdir)
+    final = copy.deepcopy(tr.model)
+    final.load_state_dict(tr.best[1])
+    test = E.evaluate(final, tr.processor, S.make_split("test", args.test_images, tr.cfg))
+    log("TEST " + " ".join(f"{k}={v:.3f}" for k, v in test.items()))
+    tr.export(out, test_acc=test, status="finished")
+
+
+def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
