@@ -261,3 +261,25 @@ def test_model_specific_errors():
 def test_list_methods_has_the_baselines():
     methods = vtprune.list_methods()
     assert {"none", "random", "fastv", "pdrop", "oracle"} <= set(methods)
+
+
+def test_right_padded_batch_equals_samples_alone():
+    model, processor = _model("llava", "sdpa")
+    samples = [("what color is the circle?", [random_image(120, 90, 1)]),
+               ("how many?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
+    processor.tokenizer.padding_side = "right"
+    from vtprune.testing import prompt_for
+
+    texts = [prompt_for("llava", q, len(images)) for q, images in samples]
+    batch = dict(processor(text=texts, images=[i for _, imgs in samples for i in imgs], return_tensors="pt",
+                           padding=True))
+    processor.tokenizer.padding_side = "left"
+    with vtprune.apply(model, "fastv", keep=0.3, layer=2) as handle, torch.no_grad():
+        logits = model(**batch).logits
+        stats = handle.last_stats
+        lengths = batch["attention_mask"].sum(dim=1)
+        for row, sample in enumerate(samples):
+            alone = model(**_inputs("llava", processor, [sample])).logits
+            last = int(lengths[row]) - stats.visual_tokens[row] + stats.kept[0][row] - 1
+            torch.testing.assert_close(logits[row, last], alone[0, -1], atol=1e-4, rtol=0)
+            assert handle.last_stats.kept_indices[0][0] == stats.kept_indices[0][row]
