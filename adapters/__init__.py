@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-
 from vtprune.adapters.base import Adapter, VisualSegment
 from vtprune.adapters.llava import LlavaAdapter
 from vtprune.adapters.llava_next import LlavaNextAdapter

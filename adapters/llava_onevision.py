@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from vtprune.adapters.base import VisualSegment
 from vtprune.adapters.llava_next import LlavaNextAdapter
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from vtprune.adapters.base import Adapter, VisualSegment
 
 

@@ -71,8 +71,9 @@ def available_methods(requested: list[str]) -> list[str]:
 def evaluate(model, processor, items: list[Item], method: str, keep: float, batch_size: int,
              progress: tqdm | None = None) -> list[dict]:
     """Answer every item with ``method`` at ``keep``; one record per item (correct, recall, kept)."""
-    import vtprune
     from vtprune.adapters import get_adapter
+
+    import vtprune
     from vtprune.pipeline import build_inputs
 
     adapter = get_adapter(model)
@@ -169,6 +170,7 @@ def summarise(records: list[dict]) -> dict[str, dict]:
 def run(args: argparse.Namespace) -> Path:
     """The whole benchmark; returns the CSV path."""
     from vtprune.eval.bench_report import conditions, write_report
+
     from vtprune.loading import load, model_label
 
     torch.manual_seed(0)
@@ -205,6 +207,7 @@ def run(args: argparse.Namespace) -> Path:
 
 def _text_tokens(model, processor, item: Item) -> int:
     from vtprune.adapters import get_adapter
+
     from vtprune.pipeline import build_inputs
 
     ids = build_inputs(processor, [item.image], [item.question], model.config.model_type)["input_ids"]

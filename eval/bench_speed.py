@@ -88,9 +88,8 @@ def predicted_speedup(model, visual: int, text: int, method: str, keep: float, l
 
 
 def run_speed(args: argparse.Namespace) -> Path:
-    from vtprune.eval.bench_report import git_sha
-
     import transformers
+    from vtprune.eval.bench_report import git_sha
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
+from vtprune.eval.bench import evaluate, load_items
 
 import vtprune
-from vtprune.eval.bench import evaluate, load_items
 
 CLI = [sys.executable, "-m", "vtprune.cli"]
 

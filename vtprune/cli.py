@@ -51,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--max-new-tokens", type=int, default=8)
     run.add_argument("--json", action="store_true", help="print one JSON object")
     add_pruning_arguments(run)
+    from vtprune.video_cli import add_video_arguments
+
+    add_video_arguments(run)
     run.set_defaults(func=command_run)
     info = subparsers.add_parser("info", help="versions, supported model types and methods")
     info.set_defaults(func=command_info)
@@ -65,6 +68,10 @@ def _sample(index: int):
 
 
 def command_run(args: argparse.Namespace) -> int:
+    if getattr(args, "video", None):
+        from vtprune.video_cli import command_run_video
+
+        return command_run_video(args)
     import vtprune
     from vtprune.loading import load, model_label
     from vtprune.pipeline import answer_questions

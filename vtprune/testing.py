@@ -47,9 +47,18 @@ def _token(name: str) -> int:
 
 
 def _llava(model_type: str, size: int):
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessor, LlavaNextProcessor, LlavaProcessor)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        LlavaProcessor,
+    )
 
     tok = tiny_tokenizer()
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -72,8 +81,14 @@ def _llava(model_type: str, size: int):
 
 
 def _onevision(size: int):
-    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, Qwen2Config, SiglipVisionConfig)
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
 
     class NoVideoProcessor(LlavaOnevisionProcessor):
         def check_argument_for_proper_class(self, name, arg):

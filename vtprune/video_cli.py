@@ -1,0 +1,97 @@
+"""``vtprune run --video PATH --question TEXT [--frames N] [--gridprobe K] [--options ...]``.
+
+Without ``--gridprobe`` the ``N`` uniformly sampled frames (default 8) answer directly; with ``--gridprobe K``
+the video is sampled at ``N = K^2`` frames (or ``--frames``), GridProbe (arXiv:2605.10762) selects ``M_eff`` of
+the ``K^2`` candidates, and one pruned pass answers. Imported by ``vtprune.cli`` without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """The video options of ``vtprune run``."""
+    group = parser.add_argument_group("video")
+    group.add_argument("--video", default=None, help="video file: answer --question about it (decord, PyAV fallback)")
+    group.add_argument("--frames", type=int, default=None,
+                       help="frames sampled uniformly (default 8; with --gridprobe K: K*K)")
+    group.add_argument("--gridprobe", type=int, default=None, metavar="K",
+                       help="select frames with GridProbe on a KxK grid (2K probes), then answer once")
+    group.add_argument("--options", default=None, help="multiple-choice options, e.g. 'A) red;B) blue;C) green'")
+    group.add_argument("--frame-budget", default="global", choices=("global", "per_frame"),
+                       help="token budget over all frames (global) or each frame its own keep fraction")
+    group.add_argument("--probe-pixels", type=int, default=224 * 224, help="pixels per frame in GridProbe probes")
+    group.add_argument("--selector", default=None, help="model spec of the GridProbe selector (default: --model)")
+    group.add_argument("--video-backend", default="auto", choices=("auto", "decord", "pyav"))
+    group.add_argument("--route", default="auto", choices=("auto", "video", "images"),
+                       help="model's video processor (video) or frames as images; auto: video when available")
+    group.add_argument("--measure-baseline", action="store_true",
+                       help="also time the monolithic all-candidates pass (time ratio)")
+
+
+def command_run_video(args: argparse.Namespace) -> int:
+    """Answer ``args.question`` about ``args.video``; prints the answer, M_eff, frames and compute ratio."""
+    from vtprune.cli import wrap_options
+    from vtprune.gridprobe_run import run_gridprobe
+    from vtprune.loading import load, model_label
+    from vtprune.video import load_video
+
+    if not args.question:
+        raise ValueError("--video needs --question TEXT.")
+    k = args.gridprobe
+    if k is not None and k < 1:
+        raise ValueError(f"--gridprobe K needs K >= 1, got {k}.")
+    frames = args.frames or (k * k if k else 8)
+    clip = load_video(args.video, frames, args.video_backend)
+    model, processor = load(args.model, args.attn, args.dtype, args.device)
+    selector = load(args.selector, args.attn, args.dtype, args.device) if args.selector else None
+    result = run_gridprobe(model, processor, clip, args.question, args.options, k=k, selector=selector,
+                           token_method=args.method, keep=args.keep, frame_budget=args.frame_budget,
+                           wrap_options=wrap_options(args), probe_pixels=args.probe_pixels, route=args.route,
+                           max_new_tokens=args.max_new_tokens, measure_baseline=args.measure_baseline)
+    record = result.as_dict()
+    record.pop("selection")
+    if result.selection is not None:
+        sel = result.selection
+        record.update(skew=sel.skew, kurtosis=sel.kurtosis, shape=sel.shape, row_confidence=sel.row_confidence,
+                      column_confidence=sel.column_confidence)
+    record.update(video=str(args.video), video_backend=clip.backend, video_frames=clip.total_frames,
+                  video_fps=clip.fps, frames_sampled=len(clip), question=args.question, method=args.method,
+                  keep=args.keep, frame_budget=args.frame_budget, model=model_label(args.model),
+                  selector=model_label(args.selector) if args.selector else None, dtype=args.dtype,
+                  attn_implementation=args.attn, device=str(next(model.parameters()).device))
+    if args.json:
+        print(json.dumps(record))
+        return 0
+    _print_video(record)
+    return 0
+
+
+def _print_video(r: dict) -> None:
+    print(f"model     {r['model']} ({r['device']}, {r['dtype']}, {r['attn_implementation']})"
+          + (f", selector {r['selector']}" if r["selector"] else ""))
+    print(f"video     {r['video']}: {r['video_frames']} frames at {r['video_fps']:.2f} fps ({r['video_backend']}), "
+          f"{r['frames_sampled']} sampled, route {r['route']}")
+    print(f"question  {r['question']}")
+    probs = r.get("letter_probs")
+    print(f"answer    {r['answer']}" + (f"   (P = {probs[r['letter']]:.3f})" if probs else ""))
+    if r["k"]:
+        print(f"gridprobe K={r['k']}: M_eff = {r['m_eff']} of {r['k'] ** 2} (skew {r['skew']:.2f}, "
+              f"kurtosis {r['kurtosis']:.2f}, shape {r['shape']:.2f}); probe ensemble {r['probe_ensemble']}")
+    else:
+        print(f"frames    all {r['m_eff']} sampled frames (no --gridprobe)")
+    times = ", ".join(f"{t:.2f}s" for t in r["times_selected"])
+    print(f"selected  frames {r['frames_selected']} at [{times}]")
+    print(f"pruning   {r['method']} keep={r['keep']} ({r['frame_budget']}): {r['answer_visual_tokens']} visual tokens "
+          f"-> {r['answer_kept_tokens']} kept")
+    line = (f"compute   {r['flops_ratio']:.3f}x the all-frames pass in LM FLOPs (probes {r['probe_flops'] / 1e9:.3f} + "
+            f"answer {r['answer_flops'] / 1e9:.3f} vs {r['baseline_flops'] / 1e9:.3f} GFLOP)")
+    print(line)
+    timing = f"time      probes {r['probe_ms']:.1f} ms + answer {r['answer_ms']:.1f} ms"
+    if r["time_ratio"] is not None:
+        timing += f" = {r['time_ratio']:.3f}x the all-frames pass ({r['baseline_ms']:.1f} ms)"
+    print(timing)
+    for note in r["notes"]:
+        print(f"note      {note}")
