@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 IMPLS = ("sdpa", "eager")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(model_type: str, impl: str):
     return tiny_model(model_type, impl, image_size=112)
 
