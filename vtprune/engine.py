@@ -169,7 +169,13 @@ class PruneHandle:
             return args, self._lm_decode_kwargs(call, kwargs)
         embeds = kwargs.get("inputs_embeds")
         mask = kwargs.get("attention_mask")
-        if embeds is None or isinstance(mask, dict):
+        if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            self._call = None
+            raise RuntimeError(
+                "vtprune needs the 2-D attention mask and a DynamicCache; this call passed a prepared 4-D mask "
+                "(static or compiled cache). Use the default cache (generate(..., cache_implementation=None))."
+            )
+        if embeds is None:
             self._call = None
             return None
         batch, length = embeds.shape[:2]
