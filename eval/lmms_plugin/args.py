@@ -1,0 +1,137 @@
+"""``--model_args`` of the vtprune lmms-eval models: parsing and validation before anything is loaded.
+
+lmms-eval turns ``--model_args a=1,b=x`` into keyword arguments (numbers and ``true``/``false`` converted,
+commas split the pairs), so a progressive schedule is written with ``;``: ``schedule=2:0.5;8:0.25``.
+
+Keys read here (everything else is a method option, e.g. ``alpha=0.5``, checked by :func:`vtprune.wrap`):
+
+==========================  ===========================================================================
+``pretrained``              folder, hub id, ``embedded:llava`` / ``tiny:<model_type>``; default: the
+                            embedded LLaVA
+``method``, ``keep``        as in :func:`vtprune.wrap` (default ``fastv``, ``0.25``)
+``schedule``, ``layer``     progressive stages (``2:0.5;8:0.25``) or a single pruning layer
+``debias``                  ``true`` / ``false`` / a calibration file
+``positions``, ``seed``     :class:`vtprune.PruneConfig` fields
+``config``                  a method configuration file written by ``vtprune tune``
+``attn_implementation``     ``sdpa`` (default), ``eager``, ``flash_attention_2``
+``dtype``                   ``float32`` (default), ``float16``, ``bfloat16``, ``auto``
+``device``                  ``cpu``, ``cuda``, ``cuda:1`` (default: CUDA when available); one device per rank
+                            under ``accelerate launch``
+``batch_size``              requests per ``generate`` call (also lmms-eval's ``--batch_size``)
+``max_pixels``/``min_pixels``  Qwen-VL image processor resolution bounds
+``threads``                 ``torch.set_num_threads`` (CPU runs)
+==========================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+LOAD_KEYS = ("pretrained", "attn_implementation", "dtype", "device")
+CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
+RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads")
+
+
+@dataclass
+class PluginArgs:
+    """Validated ``--model_args``: what to load, how to prune (a :class:`vtprune.PruneConfig`), how to run."""
+
+    prune: Any
+    pretrained: str | None = None
+    attn_implementation: str = "sdpa"
+    dtype: str = "float32"
+    device: str | None = None
+    batch_size: int = 1
+    max_pixels: int | None = None
+    min_pixels: int | None = None
+    threads: int | None = None
+
+    def describe(self) -> str:
+        """One line for logs: method, keep and stages."""
+        stages = ";".join(f"{s.layer}:{s.keep:g}" for s in self.prune.stages or ())
+        debias = f",debias={self.prune.debias}" if self.prune.debias else ""
+        return f"method={self.prune.method},keep={self.prune.keep:g}{debias}" + (f",schedule={stages}" if stages else "")
+
+
+def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
+    """Validate ``kwargs`` (lmms-eval's parsed ``--model_args``) with vtprune's own checks; raise ``ValueError``.
+
+    Checks everything that does not need the model (method name and options, keep, schedule syntax, config
+    file, dtype, batch size), so a typo fails before a checkpoint is loaded. Layer bounds and model limits
+    are checked by :func:`vtprune.wrap` right after loading.
+    """
+    from vtprune.loading import DTYPES
+
+    rest = dict(kwargs)
+    _map_device_map(rest)
+    load = {k: rest.pop(k) for k in LOAD_KEYS if k in rest and rest[k] is not None}
+    run = {k: rest.pop(k) for k in RUN_KEYS if k in rest and rest[k] is not None}
+    prune = prune_config(rest)
+    dtype = str(load.get("dtype", "float32"))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)} in --model_args.")
+    return PluginArgs(
+        prune=prune, pretrained=_optional_str(load.get("pretrained")),
+        attn_implementation=str(load.get("attn_implementation", "sdpa")), dtype=dtype,
+        device=_optional_str(load.get("device")), batch_size=_positive_int("batch_size", run.get("batch_size", 1)),
+        max_pixels=_optional_int("max_pixels", run.get("max_pixels")),
+        min_pixels=_optional_int("min_pixels", run.get("min_pixels")),
+        threads=_optional_int("threads", run.get("threads")),
+    )
+
+
+def prune_config(options: dict[str, Any]) -> Any:
+    """A checked :class:`vtprune.PruneConfig` from pruning keys; a ``config=`` file first, explicit keys win.
+
+    The method is instantiated once with its options, so an unknown name or option raises vtprune's
+    ``ValueError`` here, before the model is loaded.
+    """
+    from vtprune.config import PruneConfig
+    from vtprune.methods import load_method_config, make_method
+
+    merged: dict[str, Any] = {}
+    config_file = options.get("config")
+    if config_file:
+        merged.update(load_method_config(str(config_file)))
+    merged.update({k: v for k, v in options.items() if k != "config"})
+    fields = {k: merged.pop(k) for k in CONFIG_FIELDS if k in merged}
+    if fields.get("schedule") is not None:
+        fields["schedule"] = str(fields["schedule"])
+    config = PruneConfig(method=str(merged.pop("method", "fastv")), keep=merged.pop("keep", 0.25),
+                         options=merged, **fields)
+    method_options = dict(config.options)
+    if config.debias:
+        method_options["debias"] = config.debias
+    make_method(config.method, method_options)
+    return config
+
+
+def _map_device_map(rest: dict[str, Any]) -> None:
+    """Accept lmms-eval's ``device_map=`` spelling as ``device=`` (one device per process)."""
+    if "device_map" not in rest:
+        return
+    value = rest.pop("device_map")
+    if value in ("", None):
+        return
+    if rest.get("device") not in (None, "", value):
+        raise ValueError(f"device={rest['device']!r} and device_map={value!r} disagree; pass only device=.")
+    rest["device"] = str(value)
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; e.g. {name}=8.") from err
+    if number < 1 or str(number) != str(value).strip():
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; e.g. {name}=8.")
+    return number
+
+
+def _optional_int(name: str, value: Any) -> int | None:
+    return None if value is None else _positive_int(name, value)

@@ -1,0 +1,114 @@
+"""Turn lmms-eval requests into processor inputs: visuals, chat-template prompts, batches, stop strings.
+
+Prompts go through the processor's own chat template with one ``{"type": "image"}`` entry per image
+followed by the request's text, exactly as :func:`vtprune.pipeline.build_inputs` does for one image, so a
+run here and ``vtprune bench`` feed the model the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from PIL import Image
+
+IMAGE_PLACEHOLDERS = ("<image>", "<video>")
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def flatten_visuals(visuals: Any) -> list[Image.Image]:
+    """The PIL images of one document's ``doc_to_visual`` output (nested lists flattened, ``None`` dropped).
+
+    Raises ``NotImplementedError`` for video paths / audio dicts: this plugin feeds images (a clip can be
+    given as a list of frames, as the ``vtprune_shapes_video`` task does).
+    """
+    if visuals is None:
+        return []
+    if isinstance(visuals, Image.Image):
+        return [visuals.convert("RGB")]
+    if isinstance(visuals, (str, dict)):
+        raise NotImplementedError(
+            f"the vtprune lmms-eval models take images (PIL) and lists of frames, got {type(visuals).__name__} "
+            f"{str(visuals)[:80]!r}; video files and audio are not supported yet: decode the frames in the "
+            "task's doc_to_visual."
+        )
+    images: list[Image.Image] = []
+    for item in visuals:
+        images.extend(flatten_visuals(item))
+    return images
+
+
+def clean_context(context: str) -> str:
+    """The request text without ``<image>`` / ``<video>`` placeholders (images are added by the template)."""
+    for placeholder in IMAGE_PLACEHOLDERS:
+        context = context.replace(placeholder, "")
+    return context.strip()
+
+
+def prompt_text(processor: Any, model_type: str, question: str, n_images: int) -> str:
+    """The generation prompt for ``question`` about ``n_images`` images (chat template when there is one)."""
+    if getattr(processor, "chat_template", None):
+        content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": question}]
+        messages = [{"role": "user", "content": content}]
+        return processor.apply_chat_template(messages, add_generation_prompt=True)
+    from vtprune.testing import prompt_for
+
+    return prompt_for(model_type, question, images=n_images)
+
+
+def encode(processor: Any, texts: list[str], images: list[Image.Image]) -> dict:
+    """Left-padded processor outputs for ``texts`` (their placeholders consume ``images`` in order)."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.padding_side = "left"
+    kwargs: dict[str, Any] = {"text": texts, "return_tensors": "pt", "padding": True}
+    if images:
+        kwargs["images"] = images
+    return dict(processor(**kwargs))
+
+
+def batches(items: list[tuple[int, str, dict]], size: int) -> Iterable[list[tuple[int, str, dict]]]:
+    """``(index, context, gen_kwargs)`` items in batches of ``size`` that share generation settings.
+
+    Inside a group, longer contexts come first (less padding, out-of-memory errors show up at once).
+    """
+    groups: dict[str, list[tuple[int, str, dict]]] = {}
+    for item in items:
+        groups.setdefault(json.dumps(item[2], sort_keys=True, default=str), []).append(item)
+    for group in groups.values():
+        group.sort(key=lambda item: (-len(item[1]), item[0]))
+        for start in range(0, len(group), size):
+            yield group[start:start + size]
+
+
+def generation_options(gen_kwargs: dict, pad_token_id: int | None) -> tuple[dict, list[str]]:
+    """``(generate() keyword arguments, stop strings)`` from a task's ``generation_kwargs``.
+
+    Greedy unless ``temperature > 0`` or ``do_sample``; ``max_new_tokens`` defaults to 128. Other keys
+    (``image_aspect_ratio``, ...) are task hints for other models and are ignored.
+    """
+    kwargs = dict(gen_kwargs or {})
+    until = kwargs.pop("until", None)
+    until = [until] if isinstance(until, str) else list(until or [])
+    temperature = float(kwargs.get("temperature") or 0.0)
+    do_sample = bool(kwargs.get("do_sample", False)) or temperature > 0
+    options: dict[str, Any] = {
+        "max_new_tokens": int(kwargs.get("max_new_tokens") or DEFAULT_MAX_NEW_TOKENS),
+        "do_sample": do_sample,
+        "num_beams": int(kwargs.get("num_beams") or 1),
+    }
+    if do_sample:
+        options["temperature"] = temperature if temperature > 0 else 1.0
+        if kwargs.get("top_p") is not None:
+            options["top_p"] = float(kwargs["top_p"])
+    if pad_token_id is not None:
+        options["pad_token_id"] = pad_token_id
+    return options, [u for u in until if u]
+
+
+def cut_at_stop(text: str, until: list[str]) -> str:
+    """``text`` up to the first stop string, stripped."""
+    for stop in until:
+        text = text.split(stop, 1)[0]
+    return text.strip()
