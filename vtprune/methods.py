@@ -50,8 +50,16 @@ def make_method(name: str, options: dict[str, Any] | None = None) -> Method:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}.")
     cls = METHODS[name]
+    options = dict(options or {})
+    if "debias" in options and "debias" not in getattr(cls, "__dataclass_fields__", {}):
+        if options.pop("debias"):
+            debiasable = sorted(n for n, c in METHODS.items() if "debias" in getattr(c, "__dataclass_fields__", {}))
+            raise ValueError(
+                f"method {name!r} does not score with language-model attention, so debias does not apply to it; "
+                f"drop debias / '+debias', or use one of: {', '.join(debiasable)}."
+            )
     try:
-        return cls(**(options or {}))
+        return cls(**options)
     except TypeError as err:
         raise ValueError(f"bad options {options!r} for method {name!r}: {err}") from err
 
@@ -60,7 +68,7 @@ def _load_criteria() -> None:
     """Import the modules whose methods register themselves (kept lazy: nothing happens at import)."""
     import importlib
 
-    for module in ("vtprune.criteria",):
+    for module in ("vtprune.criteria", "vtprune.frame_budget"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
@@ -101,6 +109,19 @@ class Method:
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
         """Scores ``[B, L]`` for the current slots; only alive visual slots are ranked (higher is kept)."""
         raise NotImplementedError
+
+    def search_space(self, trial: Any, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        """``wrap()`` options of one optuna ``trial`` whose average retention is ``budget`` (``vtprune tune``).
+
+        Default: nothing to tune; the default schedule's final keep is solved for the budget.
+        """
+        from vtprune.criteria.budget import budget_schedule
+
+        return {"schedule": budget_schedule(lambda keep: self.default_stages(num_layers, keep), budget, num_layers)}
+
+    def search_defaults(self, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        """The optuna parameters of the default configuration (enqueued as the first trial)."""
+        return {}
 
     def refine(self, ctx: ScoreContext, stage: Stage, keep: torch.Tensor, scores: torch.Tensor,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,12 +177,30 @@ class FastV(Method):
     needs: ClassVar[frozenset[str]] = frozenset({"attention"})
     supports_pre_llm: ClassVar[bool] = False
     score_offset: ClassVar[int] = 1
+    debias: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.debias = _check_debias(self.debias)
 
     def default_stages(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
         return (Stage(min(2, num_layers - 1), keep),)
 
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
-        return ctx.attention("last")
+        return _debias(self, ctx, ctx.attention("last"))
+
+    def search_space(self, trial: Any, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        """Tunes the pruning layer K; the keep fraction follows from the average-retention ``budget``."""
+        from vtprune.criteria.budget import budget_schedule, feasible_single_layers
+
+        layers = feasible_single_layers(budget, num_layers)
+        layer = trial.suggest_int("layer", layers[0], layers[-1])
+        return {"schedule": budget_schedule(lambda keep: (Stage(layer, keep),), budget, num_layers)}
+
+    def search_defaults(self, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        from vtprune.criteria.budget import feasible_single_layers
+
+        layers = feasible_single_layers(budget, num_layers)
+        return {"layer": min(max(self.default_stages(num_layers, 1.0)[0].layer, layers[0]), layers[-1])}
 
 
 @register_method
@@ -177,14 +216,54 @@ class PyramidDrop(Method):
     description: ClassVar[str] = "progressive, last-instruction-token attention at each stage"
     needs: ClassVar[frozenset[str]] = frozenset({"attention"})
     supports_pre_llm: ClassVar[bool] = False
+    debias: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.debias = _check_debias(self.debias)
 
     def default_stages(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
         layers = sorted({max(1, min(num_layers - 1, round(num_layers * q / 4))) for q in (1, 2, 3)})
         fractions = [keep ** ((i + 1) / len(layers)) for i in range(len(layers))]
-        return tuple(Stage(layer, fraction) for layer, fraction in zip(layers, fractions))
+        return tuple(Stage(layer, fraction) for layer, fraction in zip(layers, fractions, strict=True))
 
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
-        return ctx.attention("last")
+        return _debias(self, ctx, ctx.attention("last"))
+
+    def search_space(self, trial: Any, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        """Tunes the (up to 3) stage layers; the keeps ``keep^(i/n)`` follow from the budget."""
+        from vtprune.criteria.budget import budget_schedule, feasible_single_layers
+
+        first = trial.suggest_int("layer1", 1, feasible_single_layers(budget, num_layers)[-1])
+        others = [trial.suggest_int(f"layer{i}", 1, num_layers - 1) for i in (2, 3)]
+        layers = sorted({first, *others})
+
+        def stages(keep: float) -> tuple[Stage, ...]:
+            return tuple(Stage(layer, keep ** ((i + 1) / len(layers))) for i, layer in enumerate(layers))
+
+        return {"schedule": budget_schedule(stages, budget, num_layers)}
+
+    def search_defaults(self, budget: float, num_layers: int, adapter: Any = None) -> dict[str, Any]:
+        from vtprune.criteria.budget import feasible_single_layers
+
+        layers = [s.layer for s in self.default_stages(num_layers, 0.5)]
+        layers += [layers[-1]] * (3 - len(layers))
+        return {"layer1": min(layers[0], feasible_single_layers(budget, num_layers)[-1]),
+                "layer2": layers[1], "layer3": layers[2]}
+
+
+def _check_debias(value: Any) -> bool | str:
+    from vtprune.criteria.debias import check_debias_option
+
+    return check_debias_option(value)
+
+
+def _debias(method: Method, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
+    """Apply attention debiasing (arXiv:2508.17807) when ``method.debias`` is set."""
+    if not getattr(method, "debias", False):
+        return scores
+    from vtprune.criteria.debias import apply_debias
+
+    return apply_debias(method, ctx, scores)
 
 
 @register_method

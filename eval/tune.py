@@ -1,0 +1,165 @@
+"""``vtprune tune``: search a method's hyperparameters under an average-retention budget (VFlowOpt Sec. 3.4).
+
+Objective (spec 4.5): the mean cosine similarity between the final hidden state (after the language
+model's final norm) of the last prompt token with and without pruning, over ``n`` unlabeled calibration
+prompts (vtprune-shapes ``calib`` split), one prefill forward per configuration. Each method declares its
+search space (:meth:`vtprune.methods.Method.search_space`) and the parameters of its default
+configuration (enqueued as trial 0, whose value is ``baseline_objective``). Optuna TPE, seeded.
+
+The output JSON ``{"method", "wrap_options", "objective", "baseline_objective", "trials", ...}`` is read by
+``vtprune run --config FILE`` and :func:`vtprune.methods.load_method_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
+    """``n`` seeded (image, question) pairs from the vtprune-shapes ``calib`` split."""
+    import random
+
+    from vtprune.eval.shapes import make_split
+
+    rng = random.Random(seed)
+    samples = make_split("calib", n, offset=1000 * seed)
+    return [(s.image, rng.choice(s.questions).text) for s in samples]
+
+
+def last_hidden(model: Any, inputs: dict) -> torch.Tensor:
+    """``[B, D]`` fp32 output of the language model's final norm at the last prompt position (left padding)."""
+    from vtprune.adapters import get_adapter
+
+    captured: dict[str, torch.Tensor] = {}
+
+    def grab(module: Any, args: tuple, output: torch.Tensor) -> None:
+        captured["h"] = output[:, -1].float()
+
+    hook = get_adapter(model).language_model.norm.register_forward_hook(grab)
+    try:
+        with torch.inference_mode():
+            model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return captured["h"]
+
+
+class Objective:
+    """Mean cosine similarity to the unpruned model's last-token state for one configuration."""
+
+    def __init__(self, model: Any, processor: Any, items: list, batch_size: int = 32) -> None:
+        from vtprune.pipeline import build_inputs
+
+        device = next(model.parameters()).device
+        self.model, self.batches = model, []
+        for start in range(0, len(items), batch_size):
+            chunk = items[start:start + batch_size]
+            inputs = build_inputs(processor, [im for im, _ in chunk], [q for _, q in chunk], model.config.model_type)
+            self.batches.append({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        self.reference = [last_hidden(model, inputs) for inputs in self.batches]
+
+    def __call__(self, method: str, budget: float, options: dict[str, Any]) -> float:
+        import vtprune
+
+        total, count = 0.0, 0
+        with vtprune.apply(self.model, method, keep=budget, **options):
+            for inputs, reference in zip(self.batches, self.reference, strict=True):
+                hidden = last_hidden(self.model, inputs)
+                total += float(torch.nn.functional.cosine_similarity(hidden, reference, dim=-1).sum())
+                count += hidden.shape[0]
+        return total / count
+
+
+def tune(model: Any, processor: Any, method: str, budget: float, trials: int, n_samples: int = 30,
+         seed: int = 0, progress: bool = True, batch_size: int = 32) -> dict[str, Any]:
+    """Run the search; returns the JSON-ready result (best options, objectives, every trial)."""
+    import optuna
+    from tqdm.auto import tqdm
+    from vtprune.adapters import get_adapter
+
+    from vtprune.config import PruneConfig, check_keep
+    from vtprune.criteria.budget import InfeasibleBudget
+    from vtprune.methods import make_method
+
+    check_keep(budget, name="budget")
+    if trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {trials}.")
+    config = PruneConfig(method=method, keep=budget)
+    extra = {"debias": config.debias} if config.debias else {}
+    pruner = make_method(config.method, dict(extra))
+    adapter = get_adapter(model)
+    layers = adapter.num_layers
+    objective = Objective(model, processor, prompts(n_samples, seed), batch_size)
+    defaults = pruner.search_defaults(budget, layers, adapter)
+    pruner.search_space(optuna.trial.FixedTrial(defaults), budget, layers, adapter)  # infeasible: raises now
+
+    def run(trial: optuna.Trial) -> float:
+        try:
+            options = {**pruner.search_space(trial, budget, layers, adapter), **extra}
+        except InfeasibleBudget as error:
+            raise optuna.TrialPruned(str(error)) from error
+        trial.set_user_attr("wrap_options", options)
+        return objective(method, budget, options)
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+    study.enqueue_trial(defaults)
+    bar = tqdm(total=trials, desc=f"tune {method}", disable=not progress)
+    study.optimize(run, n_trials=trials, callbacks=[lambda study, trial: bar.update(1)])
+    bar.close()
+    done = [t for t in study.trials if t.value is not None]
+    if not done:
+        raise ValueError(f"no feasible configuration of {method} reaches budget {budget}; raise --budget.")
+    best = study.best_trial
+    first = study.trials[0]
+    return {
+        "method": config.method, "budget": budget, "wrap_options": best.user_attrs["wrap_options"],
+        "objective": best.value, "baseline_objective": first.value,
+        "baseline_options": first.user_attrs.get("wrap_options"),
+        "trials": [{"number": t.number, "value": t.value, "params": t.params, "state": t.state.name,
+                    "wrap_options": t.user_attrs.get("wrap_options")} for t in study.trials],
+        "objective_definition": "mean cosine(final-norm hidden of the last prompt token, pruned vs unpruned)",
+        "n_samples": n_samples, "seed": seed,
+    }
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("tune", help="optimise a method's hyperparameters under an average-retention budget")
+    parser.add_argument("--model", default=None, help="folder / hub id, 'embedded:llava' (default), 'tiny:<type>'")
+    parser.add_argument("--method", default="vflowopt", help="method to tune (any; 'fastv+debias' ok)")
+    parser.add_argument("--budget", type=float, default=0.25,
+                        help="average fraction of visual tokens over the decoder layers (VFlowOpt's R̄)")
+    parser.add_argument("--trials", type=int, default=50)
+    parser.add_argument("--n-samples", type=int, default=30, help="calibration prompts (default 30)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--out", required=True, help="output JSON (use it with `vtprune run --config FILE`)")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None)
+    parser.set_defaults(func=command_tune)
+
+
+def command_tune(args: argparse.Namespace) -> int:
+    import vtprune
+    from vtprune.loading import load, model_label
+
+    model, processor = load(args.model, args.attn, args.dtype, args.device)
+    result = tune(model, processor, args.method, args.budget, args.trials, args.n_samples, args.seed,
+                  batch_size=args.batch_size)
+    result.update({"model": model_label(args.model), "vtprune_version": vtprune.__version__,
+                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{result['method']} at budget {args.budget}: objective {result['objective']:.4f} "
+          f"(default configuration {result['baseline_objective']})")
+    print(f"wrap options: {json.dumps(result['wrap_options'])}")
+    print(f"wrote {out}")
+    return 0
