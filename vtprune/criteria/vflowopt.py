@@ -14,7 +14,7 @@
 3. **LLM stages** (default before layers 9 and 18 of 28, scaled by depth): keep ``R1 R2`` then
    ``R1 R2 R3`` of ``N0``, ranked by the same map (carried by visual ordinal in ``ctx.state``).
 
-Budget: ``keep`` (or ``budget``) is the **average retention** ``R̄ = (R1 L1 + R1 R2 L2 + R1 R2 R3 L3) / L``
+Budget: ``budget`` (when given; otherwise the budget whose schedule ends at ``keep``) is the **average retention** ``R̄ = (R1 L1 + R1 R2 L2 + R1 R2 R3 L3) / L``
 (spec 4.5), not the final fraction; ``R3`` is solved from ``R1``, ``R2`` and clipped to ``[0.01, 1]`` unless
 given (then the budget is not enforced). Default
 ``R1``, ``R2`` interpolate the released LLaVA-OneVision configurations. Towers: CLIP / SigLIP (LLaVA family);
@@ -77,7 +77,26 @@ class VFlowOpt(Method):
         return tuple(sorted({min(max(1, int(x)), num_layers - 1) for x in wanted}))
 
     def default_stages(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        budget = float(self.budget if self.budget is not None else keep)
+        """Stages for an average-retention ``budget`` if given, else ending exactly at the final ``keep``.
+
+        ``keep`` keeps its package-wide meaning (the final fraction kept); the budget whose schedule ends
+        there is found by bisection, as ``R3`` solves the paper's budget equation (Eq. 5).
+        """
+        if self.budget is not None:
+            return self.budget_stages(float(self.budget), num_layers)
+        low, high = 1e-4, 1.0
+        for _ in range(40):
+            middle = (low + high) / 2
+            if self.budget_stages(middle, num_layers)[-1].keep < keep:
+                low = middle
+            else:
+                high = middle
+        stages = self.budget_stages(high, num_layers)
+        last = stages[-1]
+        return (*stages[:-1], Stage(last.layer, min(keep, stages[-2].keep if len(stages) > 1 else 1.0)))
+
+    def budget_stages(self, budget: float, num_layers: int) -> tuple[Stage, ...]:
+        """Stages whose average retention over the decoder layers is ``budget`` (spec section 4.5)."""
         r1, r2, r3 = self.ratios(budget, num_layers)
         layers = self.llm_layers(num_layers)
         keeps = B.progressive_keeps(r1, r2, r3)
