@@ -1,0 +1,61 @@
+"""``vtprune demo``: launch the Gradio demo of the checkout's ``demos/app.py``.
+
+The demo's UI lives in the repository folder ``demos/`` (not installed by ``pyproject.toml``); the model side
+is :mod:`vtprune.demo_app`. This module finds ``demos/`` next to the installed ``vtprune.eval`` package (an
+editable install of a checkout, ``pip install -e .[demo]``) and imports it as the package ``demos``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+DEMOS_DIR = Path(__file__).resolve().parent.parent / "demos"
+
+
+def demos_dir() -> Path:
+    """The checkout's ``demos/`` folder; ``FileNotFoundError`` (with what to do) when it is not there."""
+    if not (DEMOS_DIR / "app.py").is_file():
+        raise FileNotFoundError(
+            f"the Gradio demo needs the repository's demos/ folder, expected at {DEMOS_DIR}, which is missing: "
+            "vtprune is installed without its checkout. Install from a clone with `pip install -e .[demo]` "
+            "and run `vtprune demo` (or `python demos/app.py`) there."
+        )
+    return DEMOS_DIR
+
+
+def load_demo_module(name: str = "app") -> ModuleType:
+    """Import ``demos.<name>`` from the checkout (registers the ``demos`` package in ``sys.modules``)."""
+    folder = demos_dir()
+    package = sys.modules.get("demos")
+    if package is None or Path(getattr(package, "__file__", "") or "").parent != folder:
+        spec = importlib.util.spec_from_file_location(
+            "demos", folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["demos"] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"demos.{name}")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``vtprune demo [--model PATH] [--host 127.0.0.1] [--port N] [--share]``."""
+    demo = subparsers.add_parser("demo", help="launch the Gradio demo (pruned vs unpruned, side by side)")
+    demo.add_argument("--model", default=None,
+                      help="folder or hub id; 'embedded:llava' (default), 'embedded:qwen2_vl', 'tiny:<type>'")
+    demo.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
+    demo.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    demo.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    demo.set_defaults(func=command_demo)
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    """Build the app for ``--model`` and serve it until interrupted."""
+    app = load_demo_module("app")
+    return app.main(["--host", args.host, "--port", str(args.port), *(["--model", args.model] if args.model else []),
+                     *(["--device", args.device] if args.device else []), *(["--share"] if args.share else [])])
