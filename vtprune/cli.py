@@ -28,6 +28,8 @@ def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", type=int, default=None, help="single pruning layer K (layers >= K pruned)")
     parser.add_argument("--schedule", default=None, help="progressive stages, e.g. '2:0.5,8:0.25'")
     parser.add_argument("--config", default=None, help="method configuration file (from `vtprune tune`)")
+    parser.add_argument("--debias", default=None,
+                        help="debias attention scores: 'true' (model calibration or default trend) or a file")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa (default), eager, flash_attention_2")
     parser.add_argument("--dtype", default="float32", help="float32, float16, bfloat16")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -36,6 +38,9 @@ def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
 def wrap_options(args: argparse.Namespace) -> dict:
     """Keyword arguments for :func:`vtprune.wrap` from parsed pruning arguments."""
     options = {"layer": args.layer, "schedule": args.schedule}
+    debias = getattr(args, "debias", None)
+    if debias is not None:
+        options["debias"] = True if debias.lower() in ("true", "1", "yes") else debias
     if getattr(args, "config", None):
         from vtprune.methods import load_method_config
 
