@@ -26,16 +26,36 @@ class LlavaNextAdapter(LlavaAdapter):
         unpadded = modeling.unpad_image(torch.zeros(1, rows * side, cols * side), image_size)
         return int(unpadded.shape[1]), int(unpadded.shape[2])
 
+    def _grids_from_features(self, inputs: dict) -> list[tuple[int, int]] | None:
+        """Tile grids ``(h, w)`` of pre-encoded images: ``generate`` passes packed features, not sizes.
+
+        Each packed image is the base view followed by ``h`` rows of ``w`` tiles and one newline token.
+        """
+        encoded = (inputs.get("mm_encoder_outputs") or {}).get("image")
+        newline = getattr(self.backbone, "image_newline", None)
+        if encoded is None or newline is None or getattr(encoded, "pooler_output", None) is None:
+            return None
+        grids, base = [], self.grid_side**2
+        for features in encoded.pooler_output:
+            marks = (features[base:] == newline.to(features.dtype)).all(dim=-1)
+            rows = int(marks.sum())
+            if rows == 0 or (features.shape[0] - base) % rows:
+                return None
+            grids.append((rows, (features.shape[0] - base) // rows - 1))
+        return grids
+
     def segments(self, input_ids: torch.Tensor, inputs: dict) -> list[list[VisualSegment]]:
         image_sizes = inputs.get("image_sizes")
         counts = self.visual_mask(input_ids).sum(dim=1).tolist()
-        if image_sizes is None:
+        grids = [self._tile_grid(size) for size in image_sizes] if image_sizes is not None else (
+            self._grids_from_features(inputs))
+        if grids is None:
             return [[VisualSegment(0, 1, 1, int(n))] if n else [] for n in counts]
         side, image, result = self.grid_side, 0, []
         for count in counts:
             segments, start = [], 0
-            while start < count and image < len(image_sizes):
-                height, width = self._tile_grid(image_sizes[image])
+            while start < count and image < len(grids):
+                height, width = grids[image]
                 segments.append(VisualSegment(start, 1, side, side))
                 segments.append(VisualSegment(start + side * side, 1, height, width + 1, kind="tiles"))
                 start += side * side + height * (width + 1)

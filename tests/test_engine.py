@@ -283,3 +283,20 @@ def test_right_padded_batch_equals_samples_alone():
             last = int(lengths[row]) - stats.visual_tokens[row] + stats.kept[0][row] - 1
             torch.testing.assert_close(logits[row, last], alone[0, -1], atol=1e-4, rtol=0)
             assert handle.last_stats.kept_indices[0][0] == stats.kept_indices[0][row]
+
+
+@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_vl"])
+def test_segments_are_the_same_under_generate(model_type):
+    """``generate`` pre-encodes images and drops sizes/grids; adapters recover the same token grids."""
+    model, processor = _model(model_type, "sdpa")
+    inputs = _inputs(model_type, processor, [("q?", [random_image(120, 90, 0)]), ("q?", [random_image(60, 90, 1)])])
+    handle = vtprune.wrap(model, "fastv", keep=0.5, layer=2)
+    seen = []
+    original = handle.adapter.segments
+    handle.adapter.segments = lambda ids, kwargs: seen.append(original(ids, kwargs)) or seen[-1]
+    with torch.no_grad():
+        model(**inputs)
+        model.generate(**inputs, max_new_tokens=1)
+    handle.remove()
+    assert seen[0] == seen[1]
+    assert all(segment.h > 1 for sample in seen[1] for segment in sample)
