@@ -234,11 +234,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--speed-layers", type=int, default=16, help="speed proxy: LM layers")
     parser.add_argument("--speed-tokens", default="all", help="speed proxy: 576, 2916 or all")
     parser.add_argument("--layer", type=int, default=None, help="speed proxy: pruning layer (default: method's)")
+    video = parser.add_argument_group("video (--video; --methods/--keep/--out default to none,fastv / 1,0.25 / "
+                                      "runs/bench_video)")
+    video.add_argument("--video", action="store_true",
+                       help="video split: all K^2 frames vs uniform M_eff vs GridProbe, x token methods")
+    video.add_argument("--clips", type=int, default=20, help="video: clips (2 questions each)")
+    video.add_argument("--k", type=int, default=None,
+                       help="video: GridProbe grid side K (default: largest K <= 4 whose K^2 frames fit the context)")
+    video.add_argument("--answer", default="generate", choices=("generate", "score"),
+                       help="video: generate and parse the letter (option text mapped) or argmax of letter scores")
+    video.add_argument("--route", default="auto", choices=("auto", "video", "images"), help="video: frame route")
+    video.add_argument("--probe-pixels", type=int, default=224 * 224, help="video: pixels per frame in the probes")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    if args.speed:
+    if args.video:
+        from vtprune.eval.bench_video import run_video
+
+        run_video(args)
+    elif args.speed:
         from vtprune.eval.bench_speed import run_speed
 
         run_speed(args)
