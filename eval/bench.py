@@ -185,15 +185,16 @@ def run(args: argparse.Namespace) -> Path:
     env = conditions(model, args)
     text_tokens = _text_tokens(model, processor, items[0])
     rows = []
-    progress = tqdm(total=len(methods) * len(keeps) * len(items), desc="bench", unit="q")
-    for method in methods:
-        for keep in keeps:
-            records = evaluate(model, processor, items, method, keep, args.batch_size, progress)
-            timing = timing_ms(model, processor, items[: args.timing_samples], method, keep, args.repeats)
-            common = {"model": model_label(args.model), "method": method, "keep": keep,
-                      **cost(model, records, text_tokens), **timing, **env}
-            for qtype, summary in summarise(records).items():
-                rows.append({**common, "qtype": qtype, **summary})
+    # "none" prunes nothing at any keep: one row at keep 1 is the reference.
+    plan = [(m, k) for m in methods for k in ([1.0] if m == "none" else keeps)]
+    progress = tqdm(total=len(plan) * len(items), desc="bench", unit="q")
+    for method, keep in plan:
+        records = evaluate(model, processor, items, method, keep, args.batch_size, progress)
+        timing = timing_ms(model, processor, items[: args.timing_samples], method, keep, args.repeats)
+        common = {"model": model_label(args.model), "method": method, "keep": keep,
+                  **cost(model, records, text_tokens), **timing, **env}
+        for qtype, summary in summarise(records).items():
+            rows.append({**common, "qtype": qtype, **summary})
     progress.close()
     path = out / "bench.csv"
     with path.open("w", newline="") as f:
