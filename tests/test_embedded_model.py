@@ -8,15 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
 from vtprune.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa: E402
 
-try:
-    MODEL_DIR = embedded_model_path("llava")
-except FileNotFoundError as err:  # weights are produced by a long training run; see the message
-    pytest.skip(f"embedded LLaVA weights not present yet: {err}", allow_module_level=True)
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+MODEL_DIR = embedded_model_path("llava")
 
 from vtprune.eval import shapes as S  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
