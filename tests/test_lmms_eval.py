@@ -272,3 +272,19 @@ def test_other_families_generate_batched(model_id: str, spec: str) -> None:
     other = models.VTPruneQwenVL if cls is models.VTPruneLlava else models.VTPruneLlava
     with pytest.raises(ValueError, match=f"use --model {model_id}"):
         other(pretrained=spec, device="cpu")
+
+
+def test_qwen_loglikelihood_feeds_the_continuation_through_the_cache() -> None:
+    """Multi-token continuations on M-RoPE models get the model's own 3-D positions (finite result)."""
+    from lmms_eval.api.instance import Instance
+    from vtprune.eval.bench import load_items
+    from vtprune.eval.lmms_plugin.models import VTPruneQwenVL
+
+    lm = VTPruneQwenVL(pretrained="tiny:qwen2_5_vl", method="fastv", keep=0.5, device="cpu")
+    item = load_items("test", 1)[0]
+    lm.task_dict = {"t": {"test": [{"image": item.image}]}}
+    request = Instance("loglikelihood", (item.question, " yes no", lambda doc: [doc["image"]], 0, "t", "test"),
+                       idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
+    (logprob, _), = lm.loglikelihood([request])
+    lm.handle.remove()
+    assert logprob < 0 and logprob == logprob

@@ -213,13 +213,35 @@ class VTPruneModel(lmms):
             raise ValueError(f"continuation {continuation!r} adds no tokens to the prompt of doc {doc_id} of {task}.")
         before = self.handle.last_stats
         start = time.perf_counter()
-        logits = self.model(**full).logits[:, -n_cont - 1:-1].float()
+        logits = self._continuation_logits(full, n_cont)
         elapsed = time.perf_counter() - start
         target_ids = full["input_ids"][:, -n_cont:]
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, target_ids.unsqueeze(-1)).sum()
         call_stats = self.handle.last_stats
         stats.add_call(call_stats if call_stats is not before else None, 1, 0, elapsed)
         return float(logprob), bool((logits.argmax(-1) == target_ids).all())
+
+    def _continuation_logits(self, full: dict, n_cont: int) -> torch.Tensor:
+        """Logits ``[1, n_cont, V]`` predicting the continuation: the prompt is prefilled (and pruned) first,
+        then the continuation is fed through the KV cache, exactly as ``generate`` would see it (pruning
+        decisions come from the prompt's last token, not from the continuation)."""
+        length = full["input_ids"].shape[1] - n_cont
+        prompt = {k: v[:, :length] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+                  for k, v in full.items()}
+        ids = full["input_ids"][:, length:]
+        step = {"input_ids": ids, "attention_mask": full["attention_mask"]}
+        backbone = getattr(self.model, "model", None)
+        if "mm_token_type_ids" in full and hasattr(backbone, "get_rope_index"):
+            # Qwen-VL: 3-D M-RoPE positions of the whole sequence, split between prefill and continuation.
+            positions, _ = backbone.get_rope_index(
+                full["input_ids"], full["mm_token_type_ids"], image_grid_thw=full.get("image_grid_thw"),
+                attention_mask=full["attention_mask"])
+            prompt["position_ids"], step["position_ids"] = positions[..., :length], positions[..., length:]
+            step["mm_token_type_ids"] = full["mm_token_type_ids"][:, length:]
+        out = self.model(**prompt, use_cache=True)
+        step["cache"] = out.cache
+        rest = self.model(**step).logits
+        return torch.cat([out.logits[:, -1:], rest[:, :-1]], dim=1).float()
 
     def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
         raise NotImplementedError(
