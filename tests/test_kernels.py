@@ -420,10 +420,10 @@ print("compiled")
 
 def test_triton_kernels_compile_for_sm90() -> None:
     """Ahead-of-time compile (no GPU needed: triton bundles ptxas) catches errors the interpreter accepts."""
-    pytest.importorskip("triton.backends.nvidia")
+    import triton.backends.nvidia  # noqa: F401  (shipped with triton; a missing backend must fail, not skip)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     res = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True)
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr.lower():
-        pytest.skip("ptxas unavailable")
+        pytest.skip("this triton wheel ships no ptxas binary, so an ahead-of-time sm_90 compile is impossible here")
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
