@@ -302,6 +302,7 @@ def run_video(args: argparse.Namespace) -> Path:
     """The whole video benchmark; returns the CSV path."""
     from vtprune.eval.bench_report import conditions
 
+    from vtprune.embedded import default_video_spec
     from vtprune.loading import load, model_label
     from vtprune.video import video_route
 
@@ -309,6 +310,7 @@ def run_video(args: argparse.Namespace) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     methods, keeps, out = resolve_defaults(args)
+    args.model = args.model or default_video_spec()
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     questions = load_questions(args.split, args.clips)
     route = args.route = video_route(processor, args.route)

@@ -45,14 +45,14 @@ def evaluate(model, processor, samples: list[S.ImageSample], batch_size: int = 6
     return acc
 
 
-def plot_curve(rows: list[dict], path: Path, keys: tuple[str, ...] = ("overall",) + S.QTYPES) -> None:
+def plot_curve(rows: list[dict], path: Path, keys: tuple[str, ...] = ("overall",) + S.QTYPES + ("video",)) -> None:
     """Tiny dependency-free PNG of eval accuracy vs. training minutes (PIL only)."""
     w, h, m = 640, 400, 48
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     d.rectangle([m, m // 2, w - m // 2, h - m], outline="black")
     tmax = max([r["minutes"] for r in rows] + [1e-6])
-    colors = ["black", "red", "green", "blue", "orange", "purple", "brown", "gray"]
+    colors = ["black", "red", "green", "blue", "orange", "purple", "brown", "gray", "magenta"]
     for y in (0.25, 0.5, 0.75, 1.0):
         yy = h - m - y * (h - 1.5 * m)
         d.line([m, yy, w - m // 2, yy], fill=(220, 220, 220))
@@ -79,7 +79,8 @@ def write_card(out: Path, info: dict, curve: list[dict], test_acc: dict[str, flo
     """Write README.md (model card) and learning_curve.png into ``out``."""
     if curve:
         plot_curve(curve, out / "learning_curve.png")
-    cols = ["minutes", "step", "loss", "aux_loss"] + [k for k in ("overall",) + S.QTYPES if curve and k in curve[-1]]
+    keys = ("overall",) + S.QTYPES + ("video", "video_blind")
+    cols = ["minutes", "step", "loss", "aux_loss"] + [k for k in keys if curve and k in curve[-1]]
     test = ("Accuracy per question type on the held-out **test** split (no pruning, exact match):\n\n"
             + _table([{k: float(v) for k, v in test_acc.items()}], list(test_acc)) if test_acc
             else "_Test evaluation not run yet (interim export during training; see the learning curve)._\n")
@@ -118,3 +119,49 @@ Training: {info['steps']} steps ({info['samples']:,} images, several questions p
 ```
 """
     (out / "README.md").write_text(text)
+
+
+def clip_frames(clip: S.VideoSample, question: S.Question, total: int = 8) -> list[int]:
+    """The question's evidence frames plus uniformly spaced other frames, ``total`` in all, in time order."""
+    evidence = sorted(question.frames)
+    others = [t for t in range(len(clip.frames)) if t not in question.frames]
+    need = max(0, total - len(evidence))
+    picked = [others[round(i * (len(others) - 1) / max(1, need - 1))] for i in range(need)] if need else []
+    return sorted(set(evidence) | set(picked))
+
+
+@torch.no_grad()
+def evaluate_video(model, processor, clips: list[S.VideoSample], total: int = 8, batch_size: int = 16
+                   ) -> dict[str, float]:
+    """Multiple-choice accuracy (argmax letter posterior) with all evidence frames among ``total`` frames.
+
+    Also ``video_blind``: the accuracy without any evidence frame (chance is 0.25; above it means the model
+    answers from what the distractors rule out).
+    """
+    from vtprune.gridprobe import letter_posterior, letter_token_ids
+    from vtprune.video import frame_inputs
+
+    ids = letter_token_ids(processor.tokenizer, list(S.OPTION_LETTERS))
+    was_training = model.training
+    model.eval()
+    acc = {}
+    for key, with_evidence in (("video", True), ("video_blind", False)):
+        items = []
+        for clip in clips:
+            for q in clip.questions:
+                picked = clip_frames(clip, q, total)
+                if not with_evidence:
+                    others = [t for t in range(len(clip.frames)) if t not in q.frames]
+                    picked = [others[round(i * (len(others) - 1) / (total - 1))] for i in range(total)]
+                items.append(([clip.frames[t] for t in picked], q))
+        hits = []
+        for i in range(0, len(items), batch_size):
+            chunk = items[i:i + batch_size]
+            enc = frame_inputs(processor, model.config.model_type, [f for f, _ in chunk], [q.text for _, q in chunk],
+                               route="images")
+            logits = model(**enc, logits_to_keep=1).logits[:, -1]
+            pred = letter_posterior(logits, ids).argmax(dim=-1).tolist()
+            hits += [int(S.OPTION_LETTERS[p] == q.answer) for p, (_, q) in zip(pred, chunk, strict=True)]
+        acc[key] = sum(hits) / max(1, len(hits))
+    model.train(was_training)
+    return acc

@@ -166,6 +166,55 @@ def patch_labels(objects: list[S.SceneObject], grid: int, patch: int = 14, min_c
 # ----------------------------------------------------------------------------------------------------------
 # LLaVA training batches
 # ----------------------------------------------------------------------------------------------------------
+MAX_TURNS = 8
+
+
+def training_questions(sample: S.ImageSample, rng: np.random.Generator, max_turns: int = MAX_TURNS
+                       ) -> list[S.Question]:
+    """The sample's questions plus extra colour/shape questions about its other objects, shuffled.
+
+    The extra questions ask the colour of every uniquely shaped object and the shape of every uniquely
+    coloured one: they carry the colour-shape binding signal that one question per type spreads too thinly
+    (the first training run learned count and where but stayed at chance on colour). Capped at ``max_turns``,
+    always keeping one question of each type the sample has.
+    """
+    base = list(sample.questions)
+    seen = {q.text for q in base}
+    shapes = sample.shapes
+    extra: list[S.Question] = []
+    for o in shapes:
+        if sum(p.shape == o.shape for p in shapes) == 1:
+            extra.append(S.Question("color", S.TEMPLATES["color"].format(shape=o.shape), o.color, [o.box]))
+        if sum(p.color == o.color for p in shapes) == 1:
+            extra.append(S.Question("shape", S.TEMPLATES["shape"].format(color=o.color), o.shape, [o.box]))
+    extra = [q for q in extra if q.text not in seen]
+    extra = [extra[i] for i in rng.permutation(len(extra))][: max(0, max_turns - len(base))]
+    qs = base + extra
+    return [qs[i] for i in rng.permutation(len(qs))]
+
+
+def answer_weights(labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss weights: each answer (a run of labels != -100) gets total weight 1.
+
+    So a three-digit "read" answer weighs as much as a one-word colour answer. ``labels`` [B, T] -> [B, T].
+    """
+    on = labels != -100
+    w = torch.zeros(labels.shape, dtype=torch.float32)
+    for b in range(labels.shape[0]):
+        row = on[b].tolist()
+        t = 0
+        while t < len(row):
+            if row[t]:
+                u = t
+                while u < len(row) and row[u]:
+                    u += 1
+                w[b, t:u] = 1.0 / (u - t)
+                t = u
+            else:
+                t += 1
+    return w
+
+
 class LlavaBatcher:
     """Turns shapes samples into (input_ids, labels, pixel_values, patch labels) tensors."""
 
@@ -198,8 +247,7 @@ class LlavaBatcher:
     def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict[str, torch.Tensor]:
         seqs = []
         for s in samples:
-            order = rng.permutation(len(s.questions))
-            seqs.append(self.conversation([s.questions[i] for i in order]))
+            seqs.append(self.conversation(training_questions(s, rng)))
         n = max(len(i) for i, _ in seqs)
         pad = self.tok.pad_token_id
         ids = torch.tensor([i + [pad] * (n - len(i)) for i, _ in seqs])  # right padding: causal, no mask needed

@@ -44,8 +44,10 @@ def build_qwen_tokenizer():
 def build_qwen_processor(tok, image_size: int = QWEN_IMAGE_SIZE) -> NoVideoQwen2VLProcessor:
     from transformers import Qwen2VLImageProcessor
 
-    px = image_size * image_size
-    ip = Qwen2VLImageProcessor(patch_size=14, merge_size=2, size={"shortest_edge": px, "longest_edge": px})
+    # Images are used at their own size between 56 px (4 tokens) and ``image_size`` (training images at
+    # ``image_size``; video frames at 112 px -> 16 tokens each).
+    ip = Qwen2VLImageProcessor(patch_size=14, merge_size=2,
+                               size={"shortest_edge": 56 * 56, "longest_edge": image_size * image_size})
     return NoVideoQwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=None,
                                    chat_template=QWEN_CHAT_TEMPLATE)
 
@@ -107,25 +109,13 @@ class QwenBatcher:
         self.assistant = tok.convert_tokens_to_ids("assistant")
 
     def _labels(self, ids: torch.Tensor) -> torch.Tensor:
-        labels = torch.full_like(ids, -100)
-        for b in range(ids.shape[0]):
-            row = ids[b].tolist()
-            for i in range(len(row) - 1):
-                if row[i] == self.start and row[i + 1] == self.assistant:
-                    j = i + 2
-                    while j < len(row) and row[j] != self.end:
-                        labels[b, j] = row[j]
-                        j += 1
-                    if j < len(row):
-                        labels[b, j] = row[j]
-        return labels
+        return assistant_labels(ids, self.start, self.assistant, self.end)
 
     def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict:
         texts = []
         for s in samples:
             msgs = []
-            for k in rng.permutation(len(s.questions)):
-                q = s.questions[k]
+            for q in M.training_questions(s, rng):
                 content = ([{"type": "image"}] if not msgs else []) + [{"type": "text", "text": q.text}]
                 msgs += [{"role": "user", "content": content},
                          {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
@@ -136,3 +126,62 @@ class QwenBatcher:
         aux = [M.patch_labels(s.objects, self.grid, patch=28) for s in samples]
         return {"inputs": dict(enc), "labels": self._labels(enc["input_ids"]),
                 "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in M.AUX_HEADS}}
+
+
+def assistant_labels(ids: torch.Tensor, start: int, assistant: int, end: int) -> torch.Tensor:
+    """Labels [B, T]: the tokens of every assistant turn (after ``<|im_start|>assistant``) up to ``<|im_end|>``."""
+    labels = torch.full_like(ids, -100)
+    for b in range(ids.shape[0]):
+        row = ids[b].tolist()
+        for i in range(len(row) - 1):
+            if row[i] == start and row[i + 1] == assistant:
+                j = i + 2
+                while j < len(row) and row[j] != end:
+                    labels[b, j] = row[j]
+                    j += 1
+                if j < len(row):
+                    labels[b, j] = row[j]
+    return labels
+
+
+def training_frames(clip: S.VideoSample, question: S.Question, rng: np.random.Generator,
+                    frames: tuple[int, int] = (2, 12), p_evidence: float = 0.75) -> list[int]:
+    """Sorted frame indices for one training sequence: 2-12 frames, with an evidence frame with ``p_evidence``.
+
+    Sequences without evidence teach the model to spread its letter posterior when it cannot see the
+    answer, which is the signal GridProbe's probe confidence reads.
+    """
+    total = len(clip.frames)
+    n = int(rng.integers(frames[0], min(frames[1], total) + 1))
+    evidence = set(question.frames)
+    others = [t for t in range(total) if t not in evidence]
+    if rng.random() < p_evidence:
+        k = int(rng.integers(1, min(n, len(evidence)) + 1))
+        picked = list(rng.choice(sorted(evidence), k, replace=False)) + list(rng.choice(others, n - k, replace=False))
+    else:
+        picked = list(rng.choice(others, min(n, len(others)), replace=False))
+    return sorted(int(t) for t in picked)
+
+
+class QwenVideoBatcher:
+    """Multiple-choice clip questions (frames as consecutive images, the vtprune ``images`` route)."""
+
+    def __init__(self, processor: NoVideoQwen2VLProcessor):
+        self.p = processor
+        tok = processor.tokenizer
+        self.ids = (tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("assistant"),
+                    tok.eos_token_id)
+
+    def __call__(self, clips: list[S.VideoSample], rng: np.random.Generator) -> dict:
+        texts, images = [], []
+        for clip in clips:
+            for q in clip.questions:
+                picked = training_frames(clip, q, rng)
+                images += [clip.frames[t] for t in picked]
+                msgs = [{"role": "user", "content": [{"type": "image"}] * len(picked) + [{"type": "text", "text": q.text}]},
+                        {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+                texts.append(self.p.apply_chat_template(msgs))
+        self.p.tokenizer.padding_side = "right"
+        enc = self.p(images=images, text=texts, return_tensors="pt", padding=True)
+        self.p.tokenizer.padding_side = "left"
+        return {"inputs": dict(enc), "labels": assistant_labels(enc["input_ids"], *self.ids)}

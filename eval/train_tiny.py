@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
+    p.add_argument("--video-clips", type=int, default=None,
+                   help="video clips per step (two MC questions each; default 4 for qwen2_vl, 0 for llava)")
+    p.add_argument("--val-clips", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=25)
@@ -54,6 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give --minutes and/or --steps")
     if a.image_size is None:
         a.image_size = 112 if a.arch == "llava" else 224
+    if a.video_clips is None:
+        a.video_clips = 4 if a.arch == "qwen2_vl" else 0
+    if a.video_clips and a.arch == "llava":
+        p.error("--video-clips needs --arch qwen2_vl (the LLaVA model is single-image)")
     return a
 
 
@@ -86,6 +93,7 @@ class Trainer:
             self.model = Q.build_qwen2vl(self.tok)
             self.aux = M.AuxHead(self.model.config.text_config.hidden_size)
             self.batcher = Q.QwenBatcher(self.processor, args.image_size)
+            self.video_batcher = Q.QwenVideoBatcher(self.processor)
             self.model.model.visual.register_forward_hook(self._grab)
         params = list(self.model.parameters()) + list(self.aux.parameters())
         decay = [p for p in params if p.ndim >= 2]
@@ -95,6 +103,9 @@ class Trainer:
         self.step, self.elapsed, self.curve, self.best = 0, 0.0, [], (-1.0, None)
         self.feats: torch.Tensor | None = None
         self.val = S.make_split("val", args.val_images, self.cfg)
+        self.video_cfg = S.ShapesConfig()  # the video split is rendered at 112 px (16 Qwen tokens per frame)
+        self.val_clips = ([S.generate_video_sample(S.SPLIT_SEEDS["val"], i, self.video_cfg)
+                           for i in range(args.val_clips)] if args.video_clips else [])
 
     def _grab(self, module, inputs, output) -> None:
         """Patch features for the aux loss: CLIP output minus CLS, or Qwen's merged tokens (flat)."""
@@ -113,15 +124,29 @@ class Trainer:
             g["lr"] = self.a.lr * lr_factor(self.step, self.progress(), self.a.warmup)
         logits = self.model(**batch["inputs"]).logits
         lab = batch["labels"][:, 1:]
-        lm = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100)
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100,
+                                               reduction="none")
+        w = M.answer_weights(lab).flatten()
+        lm = (ce * w).sum() / w.sum()
         aux = self.aux(self.feats.reshape(b, -1, self.feats.shape[-1]), batch["aux"])
         loss = lm + self.a.aux_weight * aux
+        if self.a.video_clips:
+            loss = loss + self.video_loss()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(self.model.parameters()) + list(self.aux.parameters()), 1.0)
         self.opt.step()
         self.step += 1
         return lm.item(), aux.item()
+
+    def video_loss(self) -> torch.Tensor:
+        """Answer loss on multiple-choice clip questions (frames as images; some without evidence)."""
+        n = self.a.video_clips
+        clips = [S.generate_video_sample(S.SPLIT_SEEDS["train"], self.step * n + i, self.video_cfg) for i in range(n)]
+        batch = self.video_batcher(clips, np.random.default_rng([self.a.seed, self.step, 1]))
+        logits = self.model(**batch["inputs"]).logits
+        lab = batch["labels"][:, 1:]
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100)
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def save_ckpt(self, path: Path) -> None:
@@ -141,14 +166,17 @@ class Trainer:
     def evaluate_and_export(self, loss: float, aux: float, out: Path, workdir: Path) -> None:
         t0 = time.time()
         acc = E.evaluate(self.model, self.processor, self.val)
+        if self.val_clips:
+            acc.update(E.evaluate_video(self.model, self.processor, self.val_clips))
         row = {"minutes": round(self.elapsed / 60, 2), "step": self.step, "loss": round(loss, 4),
                "aux_loss": round(aux, 4), **{k: round(v, 4) for k, v in acc.items()}}
         self.curve.append(row)
         log(f"eval step {self.step}: " + " ".join(f"{k}={v:.3f}" for k, v in acc.items())
             + f" ({time.time() - t0:.0f}s)")
         write_curve_csv(self.curve, workdir / "learning_curve.csv")
-        if acc["overall"] >= self.best[0]:
-            self.best = (acc["overall"], copy.deepcopy(self.model.state_dict()))
+        score = (acc["overall"] + acc["video"]) / 2 if "video" in acc else acc["overall"]
+        if score >= self.best[0]:
+            self.best = (score, copy.deepcopy(self.model.state_dict()))
             self.export(out, test_acc=None, status="interim export during training")
         self.save_ckpt(workdir / "ckpt.pt")
 
@@ -183,7 +211,9 @@ class Trainer:
                        "<|im_start|>assistant\\n"),
             "arch": self._arch_text(m) + "\n" + text,
             "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
-                     f"stream (one question of each answerable type per image, shuffled, as a multi-turn chat); "
+                     f"stream (one question of each answerable type per image plus extra colour/shape questions about "
+                     f"its other objects, up to {M.MAX_TURNS} turns, shuffled, as a multi-turn chat; each answer "
+                     f"weighs the same in the loss); "
                      f"validation = first {a.val_images} `val` images; test = first {a.test_images} "
                      f"`test` images (all of their questions)."),
             "optim": (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "
@@ -255,6 +285,9 @@ def run(args: argparse.Namespace) -> None:
     final = copy.deepcopy(tr.model)
     final.load_state_dict(tr.best[1])
     test = E.evaluate(final, tr.processor, S.make_split("test", args.test_images, tr.cfg))
+    if args.video_clips:
+        clips = [S.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
+        test.update(E.evaluate_video(final, tr.processor, clips))
     log("TEST " + " ".join(f"{k}={v:.3f}" for k, v in test.items()))
     tr.export(out, test_acc=test, status="finished")
 

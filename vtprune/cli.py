@@ -22,7 +22,7 @@ COMMAND_MODULES = (
 def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every command that prunes shares (model, method, keep, schedule, attention)."""
     parser.add_argument("--model", default=None,
-                        help="folder or hub id; 'embedded:llava' (default), 'embedded:qwen2_vl', 'tiny:<type>'")
+                        help="folder or hub id; default 'embedded:llava' (images) or 'embedded:qwen2_vl' (--video); 'tiny:<type>'")
     parser.add_argument("--method", default="fastv", help="pruning method (see `vtprune info`); 'fastv+debias' ok")
     parser.add_argument("--keep", type=float, default=0.25, help="fraction of visual tokens kept, in (0, 1]")
     parser.add_argument("--layer", type=int, default=None, help="single pruning layer K (layers >= K pruned)")

@@ -23,3 +23,12 @@ def embedded_model_path(name: str = "llava") -> Path:
             f"python -m vtprune.eval.train_tiny --arch {name} --minutes 80 --out {path}"
         )
     return path
+
+
+def default_video_spec() -> str:
+    """``--model`` for video when none is given: the embedded Qwen2-VL (trained on clips), else the LLaVA."""
+    try:
+        embedded_model_path("qwen2_vl")
+    except FileNotFoundError:
+        return "embedded:llava"
+    return "embedded:qwen2_vl"

@@ -45,6 +45,9 @@ def command_run_video(args: argparse.Namespace) -> int:
         raise ValueError(f"--gridprobe K needs K >= 1, got {k}.")
     frames = args.frames or (k * k if k else 8)
     clip = load_video(args.video, frames, args.video_backend)
+    from vtprune.embedded import default_video_spec
+
+    args.model = args.model or default_video_spec()
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     selector = load(args.selector, args.attn, args.dtype, args.device) if args.selector else None
     result = run_gridprobe(model, processor, clip, args.question, args.options, k=k, selector=selector,

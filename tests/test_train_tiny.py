@@ -1,0 +1,119 @@
+"""The embedded-model training recipe: data helpers, loss weights, and a seeded two-step run per architecture."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vtprune.eval import shapes as S  # noqa: E402
+from vtprune.eval import tiny_models as M  # noqa: E402
+from vtprune.eval import tiny_qwen as Q  # noqa: E402
+from vtprune.eval import train_tiny as T  # noqa: E402
+
+
+def test_tokenizer_is_whole_word_and_spells_numbers() -> None:
+    tok = M.build_tokenizer()
+    ids = tok("What color is the triangle ?", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 6 and tok.unk_token_id not in ids
+    digits = tok(" 352", add_special_tokens=False)["input_ids"]
+    assert len(digits) == 3 and tok.decode(digits) == "352"
+
+
+def test_training_questions_bind_colour_and_shape() -> None:
+    for index in range(20):
+        sample = S.generate_image_sample(S.SPLIT_SEEDS["train"], index)
+        qs = M.training_questions(sample, np.random.default_rng(index))
+        texts = [q.text for q in qs]
+        assert len(texts) == len(set(texts)) and len(qs) <= max(M.MAX_TURNS, len(sample.questions))
+        assert {q.text for q in sample.questions} <= set(texts)  # every base question survives the cap
+        for q in qs:
+            if q.qtype == "color":
+                shape = q.text.split()[-1].rstrip("?")
+                matches = [o for o in sample.shapes if o.shape == shape]
+                assert len(matches) == 1 and matches[0].color == q.answer
+            if q.qtype == "shape":
+                color = q.text.split()[4]
+                matches = [o for o in sample.shapes if o.color == color]
+                assert len(matches) == 1 and matches[0].shape == q.answer
+
+
+def test_answer_weights_give_each_answer_weight_one() -> None:
+    labels = torch.tensor([[-100, 5, 6, 7, -100, -100, 9, -100], [-100, -100, 4, -100, 8, 8, -100, -100]])
+    w = M.answer_weights(labels)
+    expected = torch.tensor([[0, 1 / 3, 1 / 3, 1 / 3, 0, 0, 1, 0], [0, 0, 1, 0, 0.5, 0.5, 0, 0]])
+    assert torch.allclose(w, expected)
+
+
+def test_patch_labels_hand_case() -> None:
+    red_square = S.SceneObject(box=(0, 0, 14, 14), quadrant="top-left", shape="square", color="red")
+    digit = S.SceneObject(box=(28, 14, 42, 28), quadrant="top-right", digit="7")
+    labels = M.patch_labels([red_square, digit], grid=4)
+    assert labels["color"].tolist()[:4] == [S.COLORS.index("red") + 1, 0, 0, 0]
+    assert labels["shape"][0] == S.SHAPES.index("square") + 1
+    assert labels["digit"][1 * 4 + 2] == 8 and labels["digit"].sum() == 8
+    assert labels["quadrant"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
+
+
+def test_training_frames_control_evidence() -> None:
+    clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 3)
+    q = clip.questions[0]
+    for seed in range(20):
+        with_ev = Q.training_frames(clip, q, np.random.default_rng(seed), p_evidence=1.0)
+        without = Q.training_frames(clip, q, np.random.default_rng(seed), p_evidence=0.0)
+        assert with_ev == sorted(set(with_ev)) and 2 <= len(with_ev) <= 12
+        assert set(with_ev) & set(q.frames) and not set(without) & set(q.frames)
+
+
+def test_llava_batches_match_the_shipped_processor() -> None:
+    tok = M.build_tokenizer()
+    processor = M.build_llava_processor(tok, 112)
+    M.check_consistency(processor, M.LlavaBatcher(tok, 112), S.ShapesConfig())
+
+
+def test_qwen_video_batch_labels_only_the_letter() -> None:
+    processor = Q.build_qwen_processor(Q.build_qwen_tokenizer(), 112)
+    clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 0)
+    batch = Q.QwenVideoBatcher(processor)([clip], np.random.default_rng(0))
+    tok = processor.tokenizer
+    for row, labels in zip(batch["inputs"]["input_ids"], batch["labels"], strict=True):
+        kept = row[labels != -100].tolist()
+        assert tok.convert_ids_to_tokens(kept) in (["A", "<|im_end|>"], ["B", "<|im_end|>"], ["C", "<|im_end|>"],
+                                                    ["D", "<|im_end|>"])
+    frames = (batch["inputs"]["image_grid_thw"].prod(dim=-1) // 4).tolist()
+    assert set(frames) == {16}  # 112 px frames stay at 16 tokens
+
+
+def _tiny_run(tmp_path, name: str, extra: list[str]) -> dict[str, torch.Tensor]:
+    out = tmp_path / name
+    args = T.parse_args(["--steps", "2", "--batch", "2", "--warmup", "1", "--val-images", "1", "--test-images", "1",
+                         "--out", str(out), "--workdir", str(tmp_path / f"{name}-work"), *extra])
+    T.run(args)
+    assert (out / "config.json").is_file() and (out / "README.md").is_file()
+    from safetensors.torch import load_file
+
+    return load_file(next(out.glob("*.safetensors")))
+
+
+def test_llava_training_is_seeded_and_exports_a_loadable_model(tmp_path) -> None:
+    first = _tiny_run(tmp_path, "a", [])
+    second = _tiny_run(tmp_path, "b", [])
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    LlavaForConditionalGeneration.from_pretrained(tmp_path / "a")
+    AutoProcessor.from_pretrained(tmp_path / "a")
+
+
+def test_qwen_training_with_video_runs_and_exports(tmp_path) -> None:
+    weights = _tiny_run(tmp_path, "q", ["--arch", "qwen2_vl", "--image-size", "112", "--video-clips", "1",
+                                        "--val-clips", "1"])
+    assert any("visual" in k for k in weights)
+    from transformers import Qwen2VLForConditionalGeneration
+
+    Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "q")
+    processor = Q.load_qwen_processor(tmp_path / "q")
+    assert processor.image_processor.size["shortest_edge"] == 56 * 56
