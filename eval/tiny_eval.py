@@ -103,7 +103,7 @@ generate with `max_new_tokens=4` and `processor.batch_decode(..., skip_special_t
 ## Data and training
 {info['data']}
 
-Training: {info['steps']} steps ({info['samples']:,} images, several questions per image as multi-turn),
+Training: {info['steps']} steps ({info['samples']:,} images, several single-turn questions packed per image),
 {info['minutes']:.1f} min wall time on {info['threads']} CPU thread(s) (status: {info['status']}).
 {info['optim']}
 

@@ -215,8 +215,45 @@ def answer_weights(labels: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def packed_attention(segments: torch.Tensor) -> torch.Tensor:
+    """Bool mask [B, 1, T, T] (True = attend) for several single-turn questions packed after one image.
+
+    ``segments`` [B, T]: 0 for the shared prefix (the image and what precedes it), k >= 1 for the tokens of
+    question-answer turn k, -1 for padding. A token attends causally to the prefix and to its own turn only,
+    so no turn can read another turn's answer (a text shortcut that otherwise replaces looking at the image:
+    "Where is the red circle?" tells the answer to "What color is the circle?"). Padding rows see the prefix
+    and themselves (never an empty row, which would give NaN).
+    """
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    q, k = segments[:, :, None], segments[:, None, :]
+    allowed = causal & (k >= 0) & ((k == 0) | (k == q))
+    allowed |= torch.eye(t, dtype=torch.bool)
+    return allowed[:, None]
+
+
+def packed_positions(segments: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, T]: every turn restarts right after the prefix, as if asked alone."""
+    pos = torch.zeros(segments.shape, dtype=torch.long)
+    for b in range(segments.shape[0]):
+        seg = segments[b].tolist()
+        prefix = seg.count(0)
+        counter: dict[int, int] = {}
+        for i, s in enumerate(seg):
+            if s <= 0:
+                pos[b, i] = i if s == 0 else 0
+            else:
+                pos[b, i] = prefix + counter.get(s, 0)
+                counter[s] = counter.get(s, 0) + 1
+    return pos
+
+
 class LlavaBatcher:
-    """Turns shapes samples into (input_ids, labels, pixel_values, patch labels) tensors."""
+    """Turns shapes samples into (input_ids, labels, pixel_values, patch labels) tensors.
+
+    The questions of one image are packed after one copy of the image with :func:`packed_attention`: each
+    turn sees exactly the single-turn prompt ``USER: <image>\n{q} ASSISTANT:`` it is evaluated with.
+    """
 
     def __init__(self, tok, image_size: int):
         self.tok = tok
@@ -230,30 +267,31 @@ class LlavaBatcher:
             self.cache[text] = self.tok(text, add_special_tokens=False)["input_ids"]
         return self.cache[text]
 
-    def conversation(self, qs: list[S.Question]) -> tuple[list[int], list[int]]:
-        ids: list[int] = []
-        labels: list[int] = []
-        for k, q in enumerate(qs):
-            prompt = f"USER: <image>\n{q.text} ASSISTANT:" if k == 0 else f"USER: {q.text} ASSISTANT:"
-            p = self._ids(prompt)
-            if k == 0:
-                i = p.index(self.image_id)
-                p = p[:i] + [self.image_id] * self.n_img + p[i + 1:]
+    def conversation(self, qs: list[S.Question]) -> tuple[list[int], list[int], list[int]]:
+        """``(ids, labels, segments)`` for the packed turns of one image."""
+        prefix = self._ids("USER: <image>")
+        i = prefix.index(self.image_id)
+        ids = prefix[:i] + [self.image_id] * self.n_img + prefix[i + 1:]
+        labels, segments = [-100] * len(ids), [0] * len(ids)
+        for k, q in enumerate(qs, start=1):
+            p = self._ids(f"{q.text} ASSISTANT:")
             a = self._ids(" " + q.answer) + [self.tok.eos_token_id]
             ids += p + a
             labels += [-100] * len(p) + a
-        return ids, labels
+            segments += [k] * (len(p) + len(a))
+        return ids, labels, segments
 
     def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        seqs = []
-        for s in samples:
-            seqs.append(self.conversation(training_questions(s, rng)))
-        n = max(len(i) for i, _ in seqs)
+        seqs = [self.conversation(training_questions(s, rng)) for s in samples]
+        n = max(len(i) for i, _, _ in seqs)
         pad = self.tok.pad_token_id
-        ids = torch.tensor([i + [pad] * (n - len(i)) for i, _ in seqs])  # right padding: causal, no mask needed
-        lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb in seqs])
+        ids = torch.tensor([i + [pad] * (n - len(i)) for i, _, _ in seqs])
+        lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb, _ in seqs])
+        seg = torch.tensor([sg + [-1] * (n - len(sg)) for _, _, sg in seqs])
         aux = [patch_labels(s.objects, self.grid) for s in samples]
-        return {"inputs": {"input_ids": ids, "pixel_values": to_pixels([s.image for s in samples])}, "labels": lab,
+        inputs = {"input_ids": ids, "pixel_values": to_pixels([s.image for s in samples]),
+                  "attention_mask": packed_attention(seg), "position_ids": packed_positions(seg)}
+        return {"inputs": inputs, "labels": lab,
                 "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in AUX_HEADS}}
 
 
@@ -264,15 +302,15 @@ def to_pixels(images) -> torch.Tensor:
 
 
 def check_consistency(processor, batcher: LlavaBatcher, cfg: S.ShapesConfig) -> None:
-    """Training tensors must equal what the shipped processor + chat template produce."""
+    """Every packed turn must equal what the shipped processor + chat template produce for it alone."""
     s = S.generate_image_sample(S.SPLIT_SEEDS["val"], 0, cfg)
-    msgs = []
-    for q in s.questions[:2]:
-        msgs += [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q.text}]}
-                 if not msgs else {"role": "user", "content": [{"type": "text", "text": q.text}]},
-                 {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
-    text = processor.apply_chat_template(msgs)
-    enc = processor(images=[s.image], text=[text], return_tensors="pt")
-    ids, _ = batcher.conversation(s.questions[:2])
-    assert enc["input_ids"][0].tolist() == ids, (text, enc["input_ids"][0].tolist(), ids)
-    assert torch.allclose(enc["pixel_values"], to_pixels([s.image]), atol=1e-5), "pixel preprocessing differs"
+    ids, _, segments = batcher.conversation(s.questions[:2])
+    for turn, q in enumerate(s.questions[:2], start=1):
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q.text}]},
+                {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+        enc = processor(images=[s.image], text=[processor.apply_chat_template(msgs)], return_tensors="pt")
+        alone = [t for t, g in zip(ids, segments, strict=True) if g in (0, turn)]
+        if enc["input_ids"][0].tolist() != alone:
+            raise RuntimeError(f"training tokens differ from the processor's: {alone} vs {enc['input_ids'][0].tolist()}")
+    if not torch.allclose(enc["pixel_values"], to_pixels([s.image]), atol=1e-5):
+        raise RuntimeError("pixel preprocessing differs from the processor's")

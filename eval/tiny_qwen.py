@@ -98,7 +98,15 @@ def vision_features(output) -> torch.Tensor:
 
 
 class QwenBatcher:
-    """Multi-turn conversations through the real processor; labels on assistant answers + ``<|im_end|>``."""
+    """Single-turn questions packed after one image (see :func:`vtprune.eval.tiny_models.packed_attention`).
+
+    The text is ``<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>`` followed, per question, by
+    ``{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n``: with the packed mask and
+    :func:`packed_rope_positions`, every turn sees exactly its single-turn chat-template prompt.
+    Labels: the answer and its ``<|im_end|>``.
+    """
+
+    PREFIX = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
 
     def __init__(self, processor: NoVideoQwen2VLProcessor, image_size: int = QWEN_IMAGE_SIZE):
         self.p = processor
@@ -107,25 +115,62 @@ class QwenBatcher:
         self.start = tok.convert_tokens_to_ids("<|im_start|>")
         self.end = tok.eos_token_id
         self.assistant = tok.convert_tokens_to_ids("assistant")
+        self.vision_end = tok.convert_tokens_to_ids("<|vision_end|>")
 
-    def _labels(self, ids: torch.Tensor) -> torch.Tensor:
-        return assistant_labels(ids, self.start, self.assistant, self.end)
+    def segments(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """[B, T]: 0 up to ``<|vision_end|>``, then turn k >= 1 (each ends with its second ``<|im_end|>``), -1 pad."""
+        seg = torch.full_like(ids, -1)
+        for b in range(ids.shape[0]):
+            row, turn, ends, in_prefix = ids[b].tolist(), 1, 0, True
+            for i, t in enumerate(row):
+                if not valid[b, i]:
+                    continue
+                seg[b, i] = 0 if in_prefix else turn
+                if in_prefix and t == self.vision_end:
+                    in_prefix = False
+                elif not in_prefix and t == self.end:
+                    ends += 1
+                    if ends % 2 == 0:
+                        turn += 1
+        return seg
 
     def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict:
         texts = []
         for s in samples:
-            msgs = []
-            for q in M.training_questions(s, rng):
-                content = ([{"type": "image"}] if not msgs else []) + [{"type": "text", "text": q.text}]
-                msgs += [{"role": "user", "content": content},
-                         {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
-            texts.append(self.p.apply_chat_template(msgs))
+            turns = "".join(f"{q.text}<|im_end|>\n<|im_start|>assistant\n{q.answer}<|im_end|>\n"
+                            for q in M.training_questions(s, rng))
+            texts.append(self.PREFIX + turns)
         self.p.tokenizer.padding_side = "right"
         enc = self.p(images=[s.image for s in samples], text=texts, return_tensors="pt", padding=True)
         self.p.tokenizer.padding_side = "left"
         aux = [M.patch_labels(s.objects, self.grid, patch=28) for s in samples]
-        return {"inputs": dict(enc), "labels": self._labels(enc["input_ids"]),
+        ids = enc["input_ids"]
+        return {"inputs": dict(enc), "labels": assistant_labels(ids, self.start, self.assistant, self.end),
+                "segments": self.segments(ids, enc["attention_mask"].bool()),
                 "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in M.AUX_HEADS}}
+
+
+def packed_rope_positions(model, inputs: dict, segments: torch.Tensor) -> torch.Tensor:
+    """M-RoPE position ids of the packed batch: each turn restarts where the first turn starts."""
+    pos, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"],
+                                        None, attention_mask=inputs["attention_mask"])
+    pos = pos.clone()
+    for b in range(segments.shape[0]):
+        seg = segments[b]
+        first = int((seg == 1).nonzero()[0])
+        for turn in seg.unique().tolist():
+            if turn >= 2:
+                idx = (seg == turn).nonzero().flatten()
+                pos[..., b, idx] = pos[..., b, first, None] + torch.arange(len(idx))
+    return pos
+
+
+def packed_inputs(model, batch: dict) -> dict:
+    """Model inputs for a :class:`QwenBatcher` batch: 4-D packed mask and per-turn M-RoPE positions."""
+    inputs = dict(batch["inputs"])
+    inputs["position_ids"] = packed_rope_positions(model, inputs, batch["segments"])
+    inputs["attention_mask"] = M.packed_attention(batch["segments"])
+    return inputs
 
 
 def assistant_labels(ids: torch.Tensor, start: int, assistant: int, end: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
     python -m vtprune.eval.train_tiny --arch llava --minutes 85 --out vtprune/models/vtprune-llava-shapes
 
-Recipe (see docs/shapes_task.md and the model card): several questions per image as one multi-turn
-conversation (loss on answer tokens only), plus a dense per-patch auxiliary loss on the vision tower
+Recipe (see docs/shapes_task.md and the model card): several questions per image, packed after one copy of
+the image with a mask that lets each question see only the image and itself (so no question reads another's
+answer), each answer weighing the same in the loss, plus a dense per-patch auxiliary loss on the vision tower
 (colour, shape, digit and image quadrant of every patch); the auxiliary head is not part of the saved model.
 The learning rate follows warmup + cosine over ``--steps`` or, with ``--minutes``, over the wall-clock budget.
 The current best checkpoint (by validation accuracy) is exported every ``--export-every`` minutes.
@@ -122,7 +123,8 @@ class Trainer:
         batch = self.batcher(samples, np.random.default_rng([self.a.seed, self.step]))
         for g in self.opt.param_groups:
             g["lr"] = self.a.lr * lr_factor(self.step, self.progress(), self.a.warmup)
-        logits = self.model(**batch["inputs"]).logits
+        inputs = Q.packed_inputs(self.model, batch) if "segments" in batch else batch["inputs"]
+        logits = self.model(**inputs).logits
         lab = batch["labels"][:, 1:]
         ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100,
                                                reduction="none")
@@ -212,8 +214,9 @@ class Trainer:
             "arch": self._arch_text(m) + "\n" + text,
             "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
                      f"stream (one question of each answerable type per image plus extra colour/shape questions about "
-                     f"its other objects, up to {M.MAX_TURNS} turns, shuffled, as a multi-turn chat; each answer "
-                     f"weighs the same in the loss); "
+                     f"its other objects, up to {M.MAX_TURNS}, packed after one copy of the image with a mask "
+                     f"that shows each question only the image and itself; each answer weighs the same in the "
+                     f"loss); "
                      f"validation = first {a.val_images} `val` images; test = first {a.test_images} "
                      f"`test` images (all of their questions)."),
             "optim": (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "

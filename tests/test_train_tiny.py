@@ -68,6 +68,48 @@ def test_training_frames_control_evidence() -> None:
         assert set(with_ev) & set(q.frames) and not set(without) & set(q.frames)
 
 
+def test_packed_mask_and_positions_hand_case() -> None:
+    segments = torch.tensor([[0, 0, 1, 1, 2, 2, 2, -1]])
+    mask = M.packed_attention(segments)[0, 0]
+    assert mask[3].tolist() == [True, True, True, True, False, False, False, False]
+    assert mask[6].tolist() == [True, True, False, False, True, True, True, False]
+    assert mask[7].tolist() == [True, True] + [False] * 5 + [True]  # padding: prefix and itself, never NaN
+    assert M.packed_positions(segments)[0].tolist() == [0, 1, 2, 3, 2, 3, 4, 0]
+
+
+def test_packed_turns_equal_single_turn_prompts() -> None:
+    """Every packed turn's logits equal the model run on that question alone (LLaVA and Qwen2-VL)."""
+    torch.manual_seed(0)
+    sample = S.generate_image_sample(S.SPLIT_SEEDS["val"], 1)
+    tok = M.build_tokenizer()
+    llava, batcher = M.build_llava(tok).eval(), M.LlavaBatcher(tok, 112)
+    qs = M.training_questions(sample, np.random.default_rng(0))
+    batch = batcher([sample], np.random.default_rng(0))
+    ids, _, seg = batcher.conversation(qs)
+    seg = torch.tensor(seg)
+    with torch.no_grad():
+        packed = llava(**batch["inputs"]).logits[0]
+        for turn in (1, len(qs)):
+            keep = (seg == 0) | (seg == turn)
+            alone = llava(input_ids=torch.tensor(ids)[keep][None], pixel_values=batch["inputs"]["pixel_values"])
+            torch.testing.assert_close(packed[keep], alone.logits[0], atol=1e-5, rtol=0)
+    qtok = Q.build_qwen_tokenizer()
+    processor = Q.build_qwen_processor(qtok, 112)
+    qwen, qbatcher = Q.build_qwen2vl(qtok).eval(), Q.QwenBatcher(processor, 112)
+    batch = qbatcher([sample], np.random.default_rng(0))
+    seg = batch["segments"][0]
+    with torch.no_grad():
+        packed = qwen(**Q.packed_inputs(qwen, batch)).logits[0]
+        for turn in (1, len(qs)):
+            q = qs[turn - 1]
+            msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q.text}]},
+                    {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
+            enc = processor(images=[sample.image], text=[processor.apply_chat_template(msgs)], return_tensors="pt")
+            keep = (seg == 0) | (seg == turn)
+            assert enc["input_ids"][0].tolist() == batch["inputs"]["input_ids"][0][keep].tolist()
+            torch.testing.assert_close(packed[keep], qwen(**enc).logits[0], atol=1e-5, rtol=0)
+
+
 def test_llava_batches_match_the_shipped_processor() -> None:
     tok = M.build_tokenizer()
     processor = M.build_llava_processor(tok, 112)
