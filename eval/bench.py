@@ -111,7 +111,12 @@ def _record(item: Item, text: str, evidence: torch.Tensor, stats, row: int) -> d
 
 
 def timing_ms(model, processor, items: list[Item], method: str, keep: float, repeats: int) -> dict:
-    """p20/p50/p80 of prefill and of one decode step, batch 1, after a warm-up, for ``method`` at ``keep``."""
+    """p20/p50/p80 of prefill and of one decode step, batch 1, after a warm-up, for ``method`` at ``keep``.
+
+    Prefill is one forward pass. A decode step is ``generate`` of two tokens minus ``generate`` of one (the
+    model's own decoding path, which also builds Qwen's M-RoPE decode positions), so it includes the
+    per-step overhead of ``generate``.
+    """
     import vtprune
     from vtprune.pipeline import build_inputs
 
@@ -122,15 +127,15 @@ def timing_ms(model, processor, items: list[Item], method: str, keep: float, rep
             handle.set_evidence([torch.zeros(4096)])
             for step in range(repeats + 1):
                 start = time.perf_counter()
-                out = model(**inputs, use_cache=True, logits_to_keep=1)
+                model(**inputs, use_cache=True, logits_to_keep=1)
                 middle = time.perf_counter()
-                next_ids = out.logits[:, -1:].argmax(-1)
-                mask = torch.cat([inputs["attention_mask"], torch.ones_like(next_ids)], dim=1)
-                model(input_ids=next_ids, attention_mask=mask, cache=out.cache, logits_to_keep=1)
+                model.generate(**inputs, max_new_tokens=1, do_sample=False)
+                one = time.perf_counter()
+                model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False)
                 end = time.perf_counter()
                 if step:
                     prefill.append((middle - start) * 1000)
-                    decode.append((end - middle) * 1000)
+                    decode.append(max(0.0, (end - one) - (one - middle)) * 1000)
     q = lambda values, p: float(np.percentile(values, p))  # noqa: E731
     return {f"{name}_ms_p{p}": round(q(values, p), 3) for name, values in (("prefill", prefill), ("decode", decode))
             for p in (20, 50, 80)}
