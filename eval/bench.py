@@ -249,6 +249,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="video: GridProbe grid side K (default: largest K <= 4 whose K^2 frames fit the context)")
     video.add_argument("--answer", default="generate", choices=("generate", "score"),
                        help="video: generate and parse the letter (option text mapped) or argmax of letter scores")
+    video.add_argument("--open-ended", action="store_true",
+                       help="video: ask without the A-D options (GridProbe scores the peak first-token "
+                            "probability); answers are mapped to the options")
     video.add_argument("--route", default="auto", choices=("auto", "video", "images"), help="video: frame route")
     video.add_argument("--probe-pixels", type=int, default=224 * 224, help="video: pixels per frame in the probes")
     parser.set_defaults(func=_command)

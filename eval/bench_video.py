@@ -63,12 +63,23 @@ def question_options(text: str) -> dict[str, str]:
     return dict(re.findall(pattern, text.strip()))
 
 
-def load_questions(split: str, clips: int) -> list[VideoQuestion]:
-    """Every question of the first ``clips`` clips of the video split ``split``."""
-    from vtprune.eval.shapes_video import make_video_split
+def load_questions(split: str, clips: int, open_ended: bool = False) -> list[VideoQuestion]:
+    """Every question of the first ``clips`` clips of the video split ``split``.
 
-    return [VideoQuestion(s.frames, q.text, q.answer, q.qtype, list(q.frames), question_options(q.text))
+    ``open_ended``: ask without the options (``shapes_video.open_form``); answers are mapped to the options.
+    """
+    from vtprune.eval.shapes_video import make_video_split, open_form
+
+    return [VideoQuestion(s.frames, open_form(q)[0] if open_ended else q.text, q.answer, q.qtype, list(q.frames),
+                          question_options(q.text))
             for s in make_video_split(split, clips) for q in s.questions]
+
+
+def option_word_letter(logits: torch.Tensor, tokenizer: Any, options: dict[str, str]) -> str:
+    """The letter of the option whose first token scores highest (open-ended questions, ``--answer score``)."""
+    letters = list(options)
+    ids = [tokenizer.encode(options[letter], add_special_tokens=False)[0] for letter in letters]
+    return letters[int(logits[0, ids].argmax())]
 
 
 def _norm(text: str) -> str:
@@ -146,9 +157,11 @@ def answer_pass(model: Any, processor: Any, frames: list, question: VideoQuestio
             handle.remove()
     if mode == "generate":
         letter, mapped = answer_letter(out.generated[0], question.options)
-    else:
+    elif letters:
         probs = letter_posterior(out.logits, letter_token_ids(processor.tokenizer, letters))[0]
         letter, mapped = letters[int(probs.argmax())], False
+    else:
+        letter, mapped = option_word_letter(out.logits, processor.tokenizer, question.options), True
     stages = out.stages[0]
     flops = pass_flops(lm_shape(model), out.text_tokens[0], out.visual_tokens[0], stages)
     kept = stages[-1][1] if stages else out.visual_tokens[0]
@@ -232,7 +245,8 @@ def markdown_table(rows: list[dict]) -> str:
     mapped = sum(int(r["answers_mapped"]) for r in rows)
     unparsed = sum(int(r["answers_unparsed"]) for r in rows)
     lines += ["", f"{first['n']} questions ({first['clips']} clips of the {first['split']} split), K = {first['k']} "
-              f"({int(first['k']) ** 2} candidate frames), answers by {first['answer_mode']}; "
+              f"({int(first['k']) ** 2} candidate frames), answers by {first['answer_mode']}"
+              f"{' to the open-ended question (options removed; GridProbe confidence = peak first-token probability)' if first.get('open_ended') else ''}; "
               f"{mapped} answers were option text mapped to their letter, {unparsed} matched no option (wrong). "
               "FLOPs: LM prefill, probes included for gridprobe, ratio to the unpruned all-frames pass.",
               "", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
@@ -312,7 +326,7 @@ def run_video(args: argparse.Namespace) -> Path:
     methods, keeps, out = resolve_defaults(args)
     args.model = args.model or default_video_spec()
     model, processor = load(args.model, args.attn, args.dtype, args.device)
-    questions = load_questions(args.split, args.clips)
+    questions = load_questions(args.split, args.clips, getattr(args, "open_ended", False))
     route = args.route = video_route(processor, args.route)
     extra = MAX_NEW_TOKENS if args.answer == "generate" else 0
     k = choose_k(model, processor, questions[0], route, args.k, extra)
@@ -325,7 +339,7 @@ def run_video(args: argparse.Namespace) -> Path:
         records += evaluate_question(model, processor, question, k, pairs, args)
     env = {**conditions(model, args), "batch_size": 1}
     common = {"model": model_label(args.model), "split": args.split, "clips": args.clips, "k": k,
-              "answer_mode": args.answer, "route": route, "probe_pixels": args.probe_pixels}
+              "answer_mode": args.answer, "open_ended": bool(getattr(args, "open_ended", False)), "route": route, "probe_pixels": args.probe_pixels}
     rows = [{"model": common["model"], **r, **common, **env} for r in summarise(records)]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "bench_video.csv"

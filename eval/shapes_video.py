@@ -85,3 +85,15 @@ def make_video_split(split: str, n: int, cfg: S.ShapesConfig | None = None) -> l
     if split not in S.SPLIT_SEEDS:
         raise ValueError(f"split must be one of {sorted(S.SPLIT_SEEDS)}, got {split!r}")
     return [generate_video_sample(S.SPLIT_SEEDS[split], i, cfg) for i in range(n)]
+
+
+def open_form(question: S.Question) -> tuple[str, str]:
+    """The open-ended form of a clip question: ``(question without options, answer word)``.
+
+    ``"What color is the circle that appears in the video? A. red B. blue ... Answer with the letter."`` with
+    answer ``B`` becomes ``("What color is the circle that appears in the video?", "blue")``.
+    """
+    head, _, rest = question.text.partition(" A. ")
+    words = ("A. " + rest).replace(S.VIDEO_SUFFIX, "").split()
+    options = {words[i].rstrip("."): words[i + 1] for i in range(0, len(words) - 1, 2)}
+    return head.strip(), options[question.answer]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 import torch
@@ -79,7 +80,7 @@ def write_card(out: Path, info: dict, curve: list[dict], test_acc: dict[str, flo
     """Write README.md (model card) and learning_curve.png into ``out``."""
     if curve:
         plot_curve(curve, out / "learning_curve.png")
-    keys = ("overall",) + S.QTYPES + ("video", "video_blind")
+    keys = ("overall",) + S.QTYPES + ("video", "video_blind", "video_open")
     cols = ["minutes", "step", "loss", "aux_loss"] + [k for k in keys if curve and k in curve[-1]]
     test = ("Accuracy per question type on the held-out **test** split (no pruning, exact match):\n\n"
             + _table([{k: float(v) for k, v in test_acc.items()}], list(test_acc)) if test_acc
@@ -163,5 +164,28 @@ def evaluate_video(model, processor, clips: list[S.VideoSample], total: int = 8,
             pred = letter_posterior(logits, ids).argmax(dim=-1).tolist()
             hits += [int(S.OPTION_LETTERS[p] == q.answer) for p, (_, q) in zip(pred, chunk, strict=True)]
         acc[key] = sum(hits) / max(1, len(hits))
+    acc["video_open"] = _open_video_accuracy(model, processor, clips, total, batch_size)
     model.train(was_training)
     return acc
+
+
+def _open_video_accuracy(model, processor, clips: list[S.VideoSample], total: int, batch_size: int) -> float:
+    """Open-ended form (options removed): is the answer word the likeliest of the four option words?"""
+    from vtprune.eval.shapes_video import open_form
+
+    from vtprune.video import frame_inputs
+
+    tok = processor.tokenizer
+    items = [(clip, q) for clip in clips for q in clip.questions]
+    hits = []
+    for i in range(0, len(items), batch_size):
+        chunk = items[i:i + batch_size]
+        frames = [[clip.frames[t] for t in clip_frames(clip, q, total)] for clip, q in chunk]
+        forms = [open_form(q) for _, q in chunk]
+        enc = frame_inputs(processor, model.config.model_type, frames, [f[0] for f in forms], route="images")
+        logits = model(**enc, logits_to_keep=1).logits[:, -1]
+        for row, (_, q) in enumerate(chunk):
+            words = re.findall(r"\b[A-D]\. (\S+)", q.text)
+            ids = [tok.convert_tokens_to_ids(w) for w in words]
+            hits.append(int(words[int(logits[row, ids].argmax())] == forms[row][1]))
+    return sum(hits) / max(1, len(hits))

@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen2VLProcessor
 from vtprune.eval import shapes as S
 from vtprune.eval import tiny_models as M
+from vtprune.eval.shapes_video import open_form
 
 QWEN_IMAGE_SIZE = 224  # 16x16 patches of 14 px -> 8x8 = 64 LM tokens after the 2x2 merge
 QWEN_CHAT_TEMPLATE = (
@@ -209,7 +210,11 @@ def training_frames(clip: S.VideoSample, question: S.Question, rng: np.random.Ge
 
 
 class QwenVideoBatcher:
-    """Multiple-choice clip questions (frames as consecutive images, the vtprune ``images`` route)."""
+    """Clip questions (frames as consecutive images, the vtprune ``images`` route), each asked twice.
+
+    Once as multiple choice (answer: the letter) and once open-ended (options removed, answer: the word,
+    :func:`vtprune.eval.shapes_video.open_form`), each with its own frame draw.
+    """
 
     def __init__(self, processor: NoVideoQwen2VLProcessor):
         self.p = processor
@@ -221,11 +226,13 @@ class QwenVideoBatcher:
         texts, images = [], []
         for clip in clips:
             for q in clip.questions:
-                picked = training_frames(clip, q, rng)
-                images += [clip.frames[t] for t in picked]
-                msgs = [{"role": "user", "content": [{"type": "image"}] * len(picked) + [{"type": "text", "text": q.text}]},
-                        {"role": "assistant", "content": [{"type": "text", "text": q.answer}]}]
-                texts.append(self.p.apply_chat_template(msgs))
+                for text, answer in ((q.text, q.answer), open_form(q)):
+                    picked = training_frames(clip, q, rng)
+                    images += [clip.frames[t] for t in picked]
+                    content = [{"type": "image"}] * len(picked) + [{"type": "text", "text": text}]
+                    msgs = [{"role": "user", "content": content},
+                            {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+                    texts.append(self.p.apply_chat_template(msgs))
         self.p.tokenizer.padding_side = "right"
         enc = self.p(images=images, text=texts, return_tensors="pt", padding=True)
         self.p.tokenizer.padding_side = "left"

@@ -176,7 +176,7 @@ class Trainer:
         log(f"eval step {self.step}: " + " ".join(f"{k}={v:.3f}" for k, v in acc.items())
             + f" ({time.time() - t0:.0f}s)")
         write_curve_csv(self.curve, workdir / "learning_curve.csv")
-        score = (acc["overall"] + acc["video"]) / 2 if "video" in acc else acc["overall"]
+        score = (acc["overall"] + max(acc["video"], acc["video_open"])) / 2 if "video" in acc else acc["overall"]
         if score >= self.best[0]:
             self.best = (score, copy.deepcopy(self.model.state_dict()))
             self.export(out, test_acc=None, status="interim export during training")
