@@ -163,3 +163,14 @@ def test_video_sample_evidence_frames() -> None:
         for t, frame in enumerate(clip.frames):
             visible = _color_fraction(np.asarray(frame, dtype=np.int32), box, color) > 0.3
             assert visible == (t in clip.questions[0].frames), t
+
+
+def test_open_form_of_a_clip_question() -> None:
+    from vtprune.eval.shapes_video import open_form
+
+    for index in range(5):
+        clip = S.generate_video_sample(S.SPLIT_SEEDS["test"], index)
+        for q in clip.questions:
+            text, word = open_form(q)
+            assert text.endswith("that appears in the video?") and "A." not in text
+            assert f"{q.answer}. {word}" in q.text

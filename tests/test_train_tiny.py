@@ -116,15 +116,19 @@ def test_llava_batches_match_the_shipped_processor() -> None:
     M.check_consistency(processor, M.LlavaBatcher(tok, 112), S.ShapesConfig())
 
 
-def test_qwen_video_batch_labels_only_the_letter() -> None:
+def test_qwen_video_batch_asks_each_question_as_letters_and_open_ended() -> None:
+    from vtprune.eval.shapes_video import open_form
+
     processor = Q.build_qwen_processor(Q.build_qwen_tokenizer(), 112)
     clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 0)
     batch = Q.QwenVideoBatcher(processor)([clip], np.random.default_rng(0))
     tok = processor.tokenizer
-    for row, labels in zip(batch["inputs"]["input_ids"], batch["labels"], strict=True):
-        kept = row[labels != -100].tolist()
-        assert tok.convert_ids_to_tokens(kept) in (["A", "<|im_end|>"], ["B", "<|im_end|>"], ["C", "<|im_end|>"],
-                                                    ["D", "<|im_end|>"])
+    answers = [tok.convert_ids_to_tokens(row[labels != -100].tolist())
+               for row, labels in zip(batch["inputs"]["input_ids"], batch["labels"], strict=True)]
+    expected = []
+    for q in clip.questions:
+        expected += [[q.answer, "<|im_end|>"], [open_form(q)[1], "<|im_end|>"]]
+    assert answers == expected
     frames = (batch["inputs"]["image_grid_thw"].prod(dim=-1) // 4).tolist()
     assert set(frames) == {16}  # 112 px frames stay at 16 tokens
 
