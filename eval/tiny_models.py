@@ -171,12 +171,14 @@ MAX_TURNS = 8
 
 def training_questions(sample: S.ImageSample, rng: np.random.Generator, max_turns: int = MAX_TURNS
                        ) -> list[S.Question]:
-    """The sample's questions plus extra colour/shape questions about its other objects, shuffled.
+    """The sample's questions plus extra questions about its other objects, shuffled.
 
-    The extra questions ask the colour of every uniquely shaped object and the shape of every uniquely
-    coloured one: they carry the colour-shape binding signal that one question per type spreads too thinly
-    (the first training run learned count and where but stayed at chance on colour). Capped at ``max_turns``,
-    always keeping one question of each type the sample has.
+    Extras: the colour of every uniquely shaped object, the shape of every uniquely coloured one, where every
+    unique colour-shape pair is, and how many of each other shape there are (0 included). The colour/shape
+    extras carry the binding signal that one question per type spreads too thinly (the first training run
+    learned count and where but stayed at chance on colour); the where/count extras were added when those
+    became the weak types of the Qwen model. Capped at ``max_turns``, always keeping one question of each type
+    the sample has.
     """
     base = list(sample.questions)
     seen = {q.text for q in base}
@@ -187,6 +189,12 @@ def training_questions(sample: S.ImageSample, rng: np.random.Generator, max_turn
             extra.append(S.Question("color", S.TEMPLATES["color"].format(shape=o.shape), o.color, [o.box]))
         if sum(p.color == o.color for p in shapes) == 1:
             extra.append(S.Question("shape", S.TEMPLATES["shape"].format(color=o.color), o.shape, [o.box]))
+        if sum((p.color, p.shape) == (o.color, o.shape) for p in shapes) == 1:
+            extra.append(S.Question("where", S.TEMPLATES["where"].format(color=o.color, shape=o.shape),
+                                    o.quadrant, [o.box]))
+    for shape in S.SHAPES:
+        same = [o.box for o in shapes if o.shape == shape]
+        extra.append(S.Question("count", S.TEMPLATES["count"].format(plural=S.PLURALS[shape]), str(len(same)), same))
     extra = [q for q in extra if q.text not in seen]
     extra = [extra[i] for i in rng.permutation(len(extra))][: max(0, max_turns - len(base))]
     qs = base + extra

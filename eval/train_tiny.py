@@ -213,7 +213,7 @@ class Trainer:
                        "<|im_start|>assistant\\n"),
             "arch": self._arch_text(m) + "\n" + text,
             "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
-                     f"stream (one question of each answerable type per image plus extra colour/shape questions about "
+                     f"stream (one question of each answerable type per image plus extra colour/shape/where/count questions about "
                      f"its other objects, up to {M.MAX_TURNS}, packed after one copy of the image with a mask "
                      f"that shows each question only the image and itself; each answer weighs the same in the "
                      f"loss); "

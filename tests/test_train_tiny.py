@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
@@ -39,6 +40,17 @@ def test_training_questions_bind_colour_and_shape() -> None:
                 color = q.text.split()[4]
                 matches = [o for o in sample.shapes if o.color == color]
                 assert len(matches) == 1 and matches[0].shape == q.answer
+            if q.qtype == "where":
+                color, shape = q.text.split()[3], q.text.split()[4].rstrip("?")
+                matches = [o for o in sample.shapes if (o.color, o.shape) == (color, shape)]
+                assert len(matches) == 1 and matches[0].quadrant == q.answer
+            if q.qtype == "count":
+                plural = q.text.split()[2]
+                shape = next(s for s, p in S.PLURALS.items() if p == plural)
+                assert q.answer == str(sum(o.shape == shape for o in sample.shapes))
+    kinds = collections.Counter(q.qtype for i in range(20) for q in M.training_questions(
+        S.generate_image_sample(S.SPLIT_SEEDS["train"], i), np.random.default_rng(i)))
+    assert kinds["where"] > 20 and kinds["count"] > 20  # extras beyond the one base question per image
 
 
 def test_answer_weights_give_each_answer_weight_one() -> None:
