@@ -16,7 +16,7 @@ from vtprune.eval import shapes as S
 from vtprune.eval import tiny_models as M
 from vtprune.eval.shapes_video import open_form
 
-QWEN_IMAGE_SIZE = 224  # 16x16 patches of 14 px -> 8x8 = 64 LM tokens after the 2x2 merge
+QWEN_IMAGE_SIZE = 112  # 8x8 patches of 14 px -> 4x4 = 16 LM tokens after the 2x2 merge (the shipped model)
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"

@@ -38,13 +38,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="checkpoints/logs (default: .train/<arch>)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
     p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
-    p.add_argument("--image-size", type=int, default=None, help="default: 112 (llava), 224 (qwen2_vl)")
+    p.add_argument("--image-size", type=int, default=112, help="training image size in px")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
     p.add_argument("--video-clips", type=int, default=None,
-                   help="video clips per step (two MC questions each; default 4 for qwen2_vl, 0 for llava)")
+                   help="video clips per step (each question asked as letter and open-ended; default 4 for qwen2_vl, 0 for llava)")
     p.add_argument("--val-clips", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -56,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.minutes is None and a.steps is None:
         p.error("give --minutes and/or --steps")
-    if a.image_size is None:
-        a.image_size = 112 if a.arch == "llava" else 224
     if a.video_clips is None:
         a.video_clips = 4 if a.arch == "qwen2_vl" else 0
     if a.video_clips and a.arch == "llava":

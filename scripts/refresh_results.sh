@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Recompute everything under docs/results/ and the calibration files of the embedded models (CPU, ~30 min).
+# Recompute the embedded-model results under docs/results/ and their calibration files (CPU, ~30 min).
+# speed-proxy and kernels have their own commands (docs/results/README.md).
 # Run after training new embedded models (python -m vtprune.eval.train_tiny ...); see docs/results/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +16,5 @@ $V bench --images 100 --threads 2 \
 $V bench --model embedded:qwen2_vl --images 100 --threads 2 \
   --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv \
   --keep 1,0.5,0.25 --out docs/results/embedded-qwen2vl
-$V bench --video --model embedded:qwen2_vl --clips 50 --threads 2 --answer score \
+$V bench --video --model embedded:qwen2_vl --clips 30 --threads 2 --open-ended --answer score \
   --methods none,fastv,pdrop --keep 1,0.5,0.25 --out docs/results/embedded-qwen2vl-video

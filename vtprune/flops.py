@@ -1,7 +1,7 @@
 """Analytic prefill cost of the language model: FLOPs and KV-cache bytes for a per-layer token count.
 
-Per decoder layer over ``n`` tokens (multiply-adds counted as 2 FLOPs; GridProbe's accounting, ALGORITHMS.md
-§5.3): ``n * [2 (d^2 + 2 d d_kv) + 2 d^2 + 6 d d_ffn] + 4 n^2 d`` (q/k/v, output, gated MLP, scores and
+Per decoder layer over ``n`` tokens (multiply-adds counted as 2 FLOPs; GridProbe's accounting):
+``n * [2 (d^2 + 2 d d_kv) + 2 d^2 + 6 d d_ffn] + 4 n^2 d`` (q/k/v, output, gated MLP, scores and
 weighted values), plus ``2 n d V`` for the LM head when all logits are computed. The vision tower is not
 counted; report it separately when claiming wall-clock savings.
 """

@@ -1,6 +1,6 @@
 """GridProbe: training-free frame selection by probing a frozen VLM on a K x K frame grid.
 
-GridProbe (arXiv:2605.10762; ALGORITHMS.md §5). ``K^2`` candidate frames sit on a K x K grid in time order
+GridProbe (arXiv:2605.10762). ``K^2`` candidate frames sit on a K x K grid in time order
 (frame ``r*K + c`` in cell ``(r, c)``). K row probes (contiguous chunks) and K column probes (strided frames)
 run through the frozen selector model at a reduced resolution; each probe's confidence is its peak answer
 posterior. ``M = R c^T`` (row x column confidences) ranks the cells and Shape-Adaptive Selection sizes the

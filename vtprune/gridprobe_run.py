@@ -6,7 +6,7 @@ per frame; the answer pass runs on the selected frames at the processor's resolu
 ``token_method`` (any vtprune method, optionally with per-frame budgets). Multiple-choice answers are the
 argmax of the letter log-scores (no generation); open-ended answers are generated greedily.
 
-Compute (ALGORITHMS.md §5.3): LM prefill FLOPs of every pass from :mod:`vtprune.flops` (vision tower not
+Compute (GridProbe's accounting): LM prefill FLOPs of every pass from :mod:`vtprune.flops` (vision tower not
 counted; logits of the last position only, as run here, where the reference counts all positions), with the
 answer pass's pruning stages applied. The baseline is the monolithic unpruned pass over all ``K^2``
 candidates at full resolution. Times are wall-clock model calls (vision tower included; decoding and
@@ -190,7 +190,7 @@ def run_gridprobe(model: Any, processor: Any, video: VideoClip | list[Image.Imag
     selector: ``(model, processor)`` that probes; default the answering model.
     token_method, keep, frame_budget, wrap_options: pruning of the answer pass. None leaves the model as it
         is (a handle the caller already holds then prunes the probes and the answer alike).
-    probe_pixels: frame pixels in the probes (224x224 default, ALGORITHMS.md §5.4); None: full resolution.
+    probe_pixels: frame pixels in the probes (224x224 default, as in GridProbe); None: full resolution.
         Fixed-resolution towers (LLaVA) resize the frames back, so their probes cost the same tokens.
     probe_batch: probes per forward (default all 2K in one batch).
     s, m_min, m_max: Shape-Adaptive Selection (defaults 3, 2, K^2).

@@ -20,7 +20,7 @@ processor subclasses ``BaseVideoProcessor``, which requires torchvision (no PIL/
 ``Qwen2VLImageProcessorPil`` only patches single images, duplicating each one over the temporal patch), so
 without torchvision the processor has no ``video_processor`` and ``route="auto"`` falls back to
 ``route="images"``: the frames go through the image processor as consecutive images (one placeholder block
-per frame), the multi-image route of ALGORITHMS.md §5.6. Nothing of the processor is re-implemented.
+per frame), the multi-image route of the GridProbe paper. Nothing of the processor is re-implemented.
 """
 
 from __future__ import annotations
