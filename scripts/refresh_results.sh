@@ -15,6 +15,6 @@ $V bench --images 100 --threads 2 \
   --keep 1,0.5,0.33,0.25,0.11 --out docs/results/embedded-llava
 $V bench --model embedded:qwen2_vl --images 100 --threads 2 \
   --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv \
-  --keep 1,0.5,0.25 --out docs/results/embedded-qwen2vl
+  --keep 1,0.5,0.33,0.25,0.11 --out docs/results/embedded-qwen2vl
 $V bench --video --model embedded:qwen2_vl --clips 30 --threads 2 --open-ended --answer score \
   --methods none,fastv,pdrop --keep 1,0.5,0.25 --out docs/results/embedded-qwen2vl-video
