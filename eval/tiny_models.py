@@ -117,21 +117,43 @@ def build_llava(tok: PreTrainedTokenizerFast, image_size: int = 112, vision_widt
 # ----------------------------------------------------------------------------------------------------------
 # Dense auxiliary targets on the vision tower (dropped at save)
 # ----------------------------------------------------------------------------------------------------------
-AUX_HEADS: dict[str, int] = {"color": len(S.COLORS) + 1, "shape": len(S.SHAPES) + 1, "quadrant": 4, "digit": 11}
+AUX_HEADS: dict[str, int] = {"color": len(S.COLORS) + 1, "shape": len(S.SHAPES) + 1, "quadrant": 4, "digit": 11,
+                             "digits": 11}
+AUX_SLOTS: dict[str, int] = {"digits": 3}  # heads that predict several ordered labels per patch
+DIGIT_SLOTS = AUX_SLOTS["digits"]
 
 
 class AuxHead(nn.Module):
-    """Linear per-patch classifiers (colour, shape, quadrant, digit) on the vision tower's patch features."""
+    """Linear per-patch classifiers on the vision tower's patch features.
+
+    colour, shape, quadrant and digit label each patch with its best-covering object; ``digits`` predicts the
+    digits whose centres fall in the patch, left to right, in :data:`DIGIT_SLOTS` slots (0 = none), so a
+    patch that holds two digits of the number says which and in what order (reading needs that; one
+    ``digit`` label per 28 px Qwen token cannot carry it, and 8 px digits never cover 25 % of such a token).
+    """
 
     def __init__(self, width: int):
         super().__init__()
-        self.heads = nn.ModuleDict({k: nn.Linear(width, n) for k, n in AUX_HEADS.items()})
+        self.heads = nn.ModuleDict({k: nn.Linear(width, n * AUX_SLOTS.get(k, 1)) for k, n in AUX_HEADS.items()})
 
     def forward(self, feats: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over heads; ``feats`` [B, P, D], labels [B, P] each."""
-        losses = [nn.functional.cross_entropy(h(feats).flatten(0, 1), labels[k].flatten())
+        """Mean cross-entropy over heads; ``feats`` [B, P, D], labels [B, P] (or [B, P, slots]) each."""
+        losses = [nn.functional.cross_entropy(h(feats).reshape(-1, AUX_HEADS[k]), labels[k].flatten())
                   for k, h in self.heads.items()]
         return torch.stack(losses).mean()
+
+
+def digit_slots(objects: list[S.SceneObject], grid: int, patch: int) -> np.ndarray:
+    """[grid*grid, DIGIT_SLOTS] digit ids + 1 of the digits centred in each patch, left to right; 0 = none."""
+    slots = np.zeros((grid * grid, DIGIT_SLOTS), np.int64)
+    digits = sorted((o for o in objects if o.digit is not None), key=lambda o: o.box[0])
+    for o in digits:
+        cx, cy = (o.box[0] + o.box[2]) / 2, (o.box[1] + o.box[3]) / 2
+        cell = min(int(cy // patch), grid - 1) * grid + min(int(cx // patch), grid - 1)
+        free = np.flatnonzero(slots[cell] == 0)
+        if free.size:
+            slots[cell, free[0]] = int(o.digit) + 1
+    return slots
 
 
 def _box_cover(box: S.Box, grid: int, patch: int) -> np.ndarray:
@@ -144,7 +166,10 @@ def _box_cover(box: S.Box, grid: int, patch: int) -> np.ndarray:
 
 def patch_labels(objects: list[S.SceneObject], grid: int, patch: int = 14, min_cover: float = 0.25
                  ) -> dict[str, np.ndarray]:
-    """Per-patch class ids (row-major, ``grid*grid``) for the auxiliary heads; 0 = background/none."""
+    """Per-patch class ids (row-major, ``grid*grid``) for the auxiliary heads; 0 = background/none.
+
+    ``digits`` is [grid*grid, DIGIT_SLOTS] (:func:`digit_slots`); the others are [grid*grid].
+    """
     best = np.full((grid, grid), min_cover - 1e-6)
     color = np.zeros((grid, grid), np.int64)
     shape = np.zeros((grid, grid), np.int64)
@@ -160,7 +185,7 @@ def patch_labels(objects: list[S.SceneObject], grid: int, patch: int = 14, min_c
     rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
     quad = (rows >= grid / 2).astype(np.int64) * 2 + (cols >= grid / 2).astype(np.int64)
     return {"color": color.reshape(-1), "shape": shape.reshape(-1), "digit": digit.reshape(-1),
-            "quadrant": quad.reshape(-1)}
+            "quadrant": quad.reshape(-1), "digits": digit_slots(objects, grid, patch)}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -158,8 +158,10 @@ class Trainer:
     def load_ckpt(self, path: Path) -> None:
         st = torch.load(path, weights_only=False)
         self.model.load_state_dict(st["model"])
-        self.aux.load_state_dict(st["aux"])
-        self.opt.load_state_dict(st["opt"])
+        missing = self.aux.load_state_dict(st["aux"], strict=False).missing_keys
+        self.opt.load_state_dict(grow_optimizer_state(st["opt"], self.opt.state_dict()) if missing else st["opt"])
+        if missing:
+            log(f"resume: new auxiliary heads start from scratch: {missing}")
         self.step, self.elapsed, self.curve, self.best = st["step"], st["elapsed"], st["curve"], st["best"]
 
     # -- eval / export ----------------------------------------------------------------------------------
@@ -237,6 +239,22 @@ class Trainer:
                 f"{size} px, 2x2 patch merger -> {g}x{g} = {g * g} visual tokens. Processor: rebuild with "
                 "`vtprune.eval.tiny_qwen.load_qwen_processor(path)` (tokenizer + image processor are saved; "
                 "the full Qwen processor cannot be saved without torchvision); pass `mm_token_type_ids`.")
+
+
+def grow_optimizer_state(old: dict, new: dict) -> dict:
+    """``old`` optimiser state mapped onto ``new``'s groups when parameters were appended to each group.
+
+    New auxiliary heads come last in the parameter list, so within each group the old parameters are a
+    prefix of the new ones; their moments carry over and the appended ones start empty.
+    """
+    state = {}
+    for g_old, g_new in zip(old["param_groups"], new["param_groups"], strict=True):
+        for i_old, i_new in zip(g_old["params"], g_new["params"], strict=False):
+            if i_old in old["state"]:
+                state[i_new] = old["state"][i_old]
+    groups = [{**g_old, "params": g_new["params"]} for g_old, g_new in zip(old["param_groups"], new["param_groups"],
+                                                                           strict=True)]
+    return {"state": state, "param_groups": groups}
 
 
 def write_curve_csv(rows: list[dict], path: Path) -> None:

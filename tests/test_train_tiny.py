@@ -70,6 +70,29 @@ def test_patch_labels_hand_case() -> None:
     assert labels["quadrant"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
 
 
+def test_digit_slots_hand_case() -> None:
+    """Digits centred in a patch fill its slots left to right; other patches stay empty."""
+    three = S.SceneObject(box=(30, 2, 36, 12), quadrant="top-right", digit="3")
+    one = S.SceneObject(box=(40, 2, 46, 12), quadrant="top-right", digit="1")
+    eight = S.SceneObject(box=(60, 2, 66, 12), quadrant="top-right", digit="8")
+    slots = M.digit_slots([eight, one, three], grid=4, patch=28)  # given out of order on purpose
+    assert slots.shape == (16, M.DIGIT_SLOTS)
+    assert slots[1].tolist() == [4, 2, 0] and slots[2].tolist() == [9, 0, 0]
+    assert slots.sum() == 4 + 2 + 9
+    assert (M.patch_labels([three, one, eight], grid=4, patch=28)["digits"] == slots).all()
+
+
+def test_resume_grows_optimizer_state_for_new_heads() -> None:
+    """Moments of the old parameters carry over when a head is appended; the new one starts empty."""
+    a, b, c = (torch.nn.Parameter(torch.ones(2, 2)) for _ in range(3))
+    old_opt = torch.optim.AdamW([{"params": [a, b]}], lr=0.1)
+    (a.sum() + 2 * b.sum()).backward()
+    old_opt.step()
+    new_opt = torch.optim.AdamW([{"params": [a, b, c]}], lr=0.1)
+    new_opt.load_state_dict(T.grow_optimizer_state(old_opt.state_dict(), new_opt.state_dict()))
+    assert torch.equal(new_opt.state[b]["exp_avg"], old_opt.state[b]["exp_avg"]) and c not in new_opt.state
+
+
 def test_training_frames_control_evidence() -> None:
     clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 3)
     q = clip.questions[0]
