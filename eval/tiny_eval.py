@@ -98,7 +98,7 @@ Parameters: **{info['params']:,}** ({info['params_vision']:,} in the vision towe
 
 ## Prompt
 `{info['prompt']}` (the processor's chat template produces it); the answer is one word
-(numbers are spelt digit by digit, e.g. `3 ##5 ##2` -> "352") followed by `</s>`:
+(numbers are spelt digit by digit, e.g. `3 ##5 ##2` -> "352") followed by `{info.get('eos', '</s>')}`:
 generate with `max_new_tokens=4` and `processor.batch_decode(..., skip_special_tokens=True)`.
 
 ## Data and training

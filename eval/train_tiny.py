@@ -207,7 +207,7 @@ class Trainer:
         return {
             "name": EMBEDDED_MODELS[a.arch], "class": type(m).__name__, "status": status,
             "params": sum(p.numel() for p in m.parameters()), "params_vision": sum(p.numel() for p in vis.parameters()),
-            "steps": self.step, "minutes": self.elapsed / 60, "samples": self.step * a.batch, "threads": a.threads,
+            "eos": "</s>" if llava else "<|im_end|>", "steps": self.step, "minutes": self.elapsed / 60, "samples": self.step * a.batch, "threads": a.threads,
             "prompt": ("USER: <image>\\n{question} ASSISTANT:" if llava else
                        "<|im_start|>user\\n<|vision_start|><|image_pad|>...<|vision_end|>{question}<|im_end|>\\n"
                        "<|im_start|>assistant\\n"),
