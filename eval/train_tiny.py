@@ -44,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
     p.add_argument("--video-clips", type=int, default=None,
-                   help="video clips per step (each question asked as letter and open-ended; default 4 for qwen2_vl, 0 for llava)")
+                   help="video clips per step, each question asked as letter and open-ended "
+                        "(default 4 for qwen2_vl, 0 for llava)")
     p.add_argument("--val-clips", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -207,15 +208,16 @@ class Trainer:
         return {
             "name": EMBEDDED_MODELS[a.arch], "class": type(m).__name__, "status": status,
             "params": sum(p.numel() for p in m.parameters()), "params_vision": sum(p.numel() for p in vis.parameters()),
-            "eos": "</s>" if llava else "<|im_end|>", "steps": self.step, "minutes": self.elapsed / 60, "samples": self.step * a.batch, "threads": a.threads,
+            "eos": "</s>" if llava else "<|im_end|>", "steps": self.step, "minutes": self.elapsed / 60,
+            "samples": self.step * a.batch, "threads": a.threads,
             "prompt": ("USER: <image>\\n{question} ASSISTANT:" if llava else
                        "<|im_start|>user\\n<|vision_start|><|image_pad|>...<|vision_end|>{question}<|im_end|>\\n"
                        "<|im_start|>assistant\\n"),
             "arch": self._arch_text(m) + "\n" + text,
             "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
-                     f"stream (one question of each answerable type per image plus extra colour/shape/where/count questions about "
-                     f"its other objects, up to {M.MAX_TURNS}, packed after one copy of the image with a mask "
-                     f"that shows each question only the image and itself; each answer weighs the same in the "
+                     f"stream (one question of each answerable type per image plus extra colour/shape/where/count "
+                     f"questions about its other objects, up to {M.MAX_TURNS}, packed after one copy of the image "
+                     f"with a mask that shows each question only the image and itself; each answer weighs the same in the "
                      f"loss); "
                      f"validation = first {a.val_images} `val` images; test = first {a.test_images} "
                      f"`test` images (all of their questions)."),
