@@ -77,8 +77,8 @@ def build_tokenizer(
     )
 
 
-def build_llava_processor(tok: PreTrainedTokenizerFast, image_size: int):
-    """LlavaProcessor (CLIP image processor at ``image_size``, patch 14, CLS dropped) with the chat template."""
+def build_llava_processor(tok: PreTrainedTokenizerFast, image_size: int, patch_size: int = 14):
+    """LlavaProcessor (CLIP image processor at ``image_size``, CLS dropped) with the chat template."""
     from transformers import CLIPImageProcessor, LlavaProcessor
 
     ip = CLIPImageProcessor(
@@ -86,18 +86,18 @@ def build_llava_processor(tok: PreTrainedTokenizerFast, image_size: int):
         do_center_crop=True,
     )
     return LlavaProcessor(
-        image_processor=ip, tokenizer=tok, patch_size=14, vision_feature_select_strategy="default",
+        image_processor=ip, tokenizer=tok, patch_size=patch_size, vision_feature_select_strategy="default",
         num_additional_image_tokens=1, chat_template=LLAVA_CHAT_TEMPLATE,
     )
 
 
 def build_llava(tok: PreTrainedTokenizerFast, image_size: int = 112, vision_width: int = 128,
-                text_width: int = 192, layers: int = 4):
+                text_width: int = 192, layers: int = 4, patch_size: int = 14):
     """A tiny from-scratch LlavaForConditionalGeneration (CLIP vision + Llama text)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     vcfg = CLIPVisionConfig(hidden_size=vision_width, intermediate_size=2 * vision_width, num_hidden_layers=layers,
-                            num_attention_heads=4, image_size=image_size, patch_size=14)
+                            num_attention_heads=4, image_size=image_size, patch_size=patch_size)
     tcfg = LlamaConfig(vocab_size=len(tok), hidden_size=text_width, intermediate_size=2 * text_width,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=512, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
@@ -288,9 +288,10 @@ class LlavaBatcher:
     turn sees exactly the single-turn prompt ``USER: <image>\n{q} ASSISTANT:`` it is evaluated with.
     """
 
-    def __init__(self, tok, image_size: int):
+    def __init__(self, tok, image_size: int, patch_size: int = 14):
         self.tok = tok
-        self.grid = image_size // 14
+        self.patch = patch_size
+        self.grid = image_size // patch_size
         self.n_img = self.grid * self.grid
         self.image_id = tok.convert_tokens_to_ids("<image>")
         self.cache: dict[str, list[int]] = {}
@@ -321,7 +322,7 @@ class LlavaBatcher:
         ids = torch.tensor([i + [pad] * (n - len(i)) for i, _, _ in seqs])
         lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb, _ in seqs])
         seg = torch.tensor([sg + [-1] * (n - len(sg)) for _, _, sg in seqs])
-        aux = [patch_labels(s.objects, self.grid) for s in samples]
+        aux = [patch_labels(s.objects, self.grid, self.patch) for s in samples]
         inputs = {"input_ids": ids, "pixel_values": to_pixels([s.image for s in samples]),
                   "attention_mask": packed_attention(seg), "position_ids": packed_positions(seg)}
         return {"inputs": inputs, "labels": lab,

@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
     p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
     p.add_argument("--image-size", type=int, default=112, help="training image size in px")
+    p.add_argument("--patch-size", type=int, default=28,
+                   help="LLaVA CLIP patch in px (28: one token per object, as Qwen's merged tokens; 14: fragments)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
@@ -82,10 +84,10 @@ class Trainer:
         self.cfg = S.ShapesConfig(image_size=args.image_size)
         if args.arch == "llava":
             self.tok = M.build_tokenizer()
-            self.processor = M.build_llava_processor(self.tok, args.image_size)
-            self.model = M.build_llava(self.tok, args.image_size)
+            self.processor = M.build_llava_processor(self.tok, args.image_size, args.patch_size)
+            self.model = M.build_llava(self.tok, args.image_size, patch_size=args.patch_size)
             self.aux = M.AuxHead(self.model.config.vision_config.hidden_size)
-            self.batcher = M.LlavaBatcher(self.tok, args.image_size)
+            self.batcher = M.LlavaBatcher(self.tok, args.image_size, args.patch_size)
             self.model.model.vision_tower.register_forward_hook(self._grab)
         else:
             self.tok = Q.build_qwen_tokenizer()
@@ -231,9 +233,9 @@ class Trainer:
     def _arch_text(self, m) -> str:
         v, size = m.config.vision_config, self.a.image_size
         if self.a.arch == "llava":
-            g = size // 14
+            g = size // v.patch_size
             return (f"- vision: CLIPVisionModel, width {v.hidden_size}, {v.num_hidden_layers} layers, "
-                    f"{v.num_attention_heads} heads, MLP {v.intermediate_size}, patch 14, {size} px "
+                    f"{v.num_attention_heads} heads, MLP {v.intermediate_size}, patch {v.patch_size}, {size} px "
                     f"-> {g}x{g} = {g * g} visual tokens (CLS dropped: vision_feature_select_strategy='default', "
                     f"vision_feature_layer=-1)\n- projector: LLaVA 2-layer GELU MLP")
         g = size // 28

@@ -6,6 +6,7 @@ import collections
 import os
 
 import numpy as np
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,10 +146,20 @@ def test_packed_turns_equal_single_turn_prompts() -> None:
             torch.testing.assert_close(packed[keep], qwen(**enc).logits[0], atol=1e-5, rtol=0)
 
 
-def test_llava_batches_match_the_shipped_processor() -> None:
+@pytest.mark.parametrize("patch", [14, 28])
+def test_llava_batches_match_the_shipped_processor(patch: int) -> None:
     tok = M.build_tokenizer()
-    processor = M.build_llava_processor(tok, 112)
-    M.check_consistency(processor, M.LlavaBatcher(tok, 112), S.ShapesConfig())
+    processor = M.build_llava_processor(tok, 112, patch)
+    batcher = M.LlavaBatcher(tok, 112, patch)
+    M.check_consistency(processor, batcher, S.ShapesConfig())
+    sample = S.generate_image_sample(S.SPLIT_SEEDS["val"], 0)
+    batch = batcher([sample], np.random.default_rng(0))
+    grid = 112 // patch
+    assert (batch["inputs"]["input_ids"] == batcher.image_id).sum() == grid * grid
+    assert batch["aux"]["color"].shape == (1, grid * grid)
+    model = M.build_llava(tok, 112, patch_size=patch).eval()
+    with torch.no_grad():
+        model(**batch["inputs"])  # the image-token count matches the tower's patch grid
 
 
 def test_qwen_video_batch_asks_each_question_as_letters_and_open_ended() -> None:
