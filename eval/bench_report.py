@@ -99,8 +99,8 @@ def goal_summary(rows: list[dict]) -> list[str]:
     overall = {(r["method"], float(r["keep"])): r for r in rows if r["qtype"] == "all"}
     base = overall.get(("none", 1.0))
     methods = [m for m in dict.fromkeys(m for m, _ in overall) if m not in REFERENCE_METHODS]
-    if base is None or not methods:
-        return []
+    if base is None or not methods or float(base["accuracy"]) == 0:
+        return []  # no unpruned reference to compare with (e.g. a random-weight model)
     answered = answered_types(rows)
     lines = ["Goals (best criterion; reference lines excluded):", ""]
     for keep, goal in ((0.25, 0.97), (0.11, 0.93)):

@@ -225,7 +225,8 @@ class Trainer:
                      f"`test` images (all of their questions)."),
             "optim": (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "
                       f"cosine to 5 %, batch {a.batch} images, grad clip 1.0, fp32, seed {a.seed}; "
-                      f"auxiliary per-patch loss (colour/shape/digit/quadrant, weight {a.aux_weight}) "
+                      f"auxiliary per-patch loss (colour/shape/digit/quadrant and the digit slots of "
+                      f"`tiny_models.digit_slots`, weight {a.aux_weight}) "
                       "on the vision tower output, head dropped at save."),
             "command": "python -m vtprune.eval.train_tiny " + " ".join(sys.argv[1:]),
         }

@@ -36,3 +36,8 @@ def test_goal_lines_by_hand() -> None:
     assert "evidence recall 0.700 (fastv), all questions; goal 0.8: not met" in lines[4]  # random excluded
     assert "evidence recall 0.900 (fastv) on the types the unpruned model answers (color)" in lines[5]
     assert "Evidence recall per question type" in markdown_table(_rows())
+
+
+def test_no_goal_lines_without_an_unpruned_reference() -> None:
+    rows = [{**r, "accuracy": "0.0"} if r["method"] == "none" else r for r in _rows()]
+    assert goal_summary(rows) == []  # a random-weight model: nothing to take a percentage of

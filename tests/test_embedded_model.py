@@ -61,5 +61,7 @@ def test_unpruned_accuracy_floor(loaded) -> None:
     model, processor = loaded
     torch.manual_seed(0)
     acc = E.evaluate(model, processor, S.make_split("test", N_IMAGES), batch_size=32)
-    # Guard against shipping broken weights: well above the answer prior (about 0.22 overall).
-    assert acc["overall"] >= 0.35, acc
+    # Guard against shipping broken weights. The shipped model scores 0.83 on this slice (every type 1.0 but
+    # 'read', 0.0); the answer prior is about 0.22 overall.
+    assert acc["overall"] >= 0.75, acc
+    assert min(acc[q] for q in ("color", "shape", "exists")) >= 0.9, acc

@@ -24,8 +24,8 @@ LIMIT = 48
 VIDEO_CLIPS, FRAME_STRIDE = 2, 4
 TIMEOUT_S = 420
 # Per-type answer priors (yes/no, quadrant, 6 colours, 4 shapes, counts 0-5, numbers) give about 0.22 overall;
-# the trained model is well above, also at keep=0.25 (the embedded model is still training, hence a low floor).
-ACCURACY_FLOOR = 0.25
+# the shipped model scores 0.83 unpruned and 0.80 with fastv at keep 0.25 on 598 test questions.
+ACCURACY_FLOOR = 0.6
 FASTV_ARGS = "method=fastv,keep=0.25,device=cpu,batch_size=8,threads=1"
 QTYPES = ("color", "shape", "count", "exists", "where", "read")
 
@@ -139,7 +139,7 @@ def test_fastv_run_reports_accuracy_and_pruning(runs) -> None:
     stats = run["results"]["throughput"]
     assert stats["avg_vtprune_samples"] == n + len(run["samples"]["vtprune_shapes_video"])
     assert stats["avg_vtprune_kept_fraction"] == pytest.approx(0.25, abs=0.01)
-    assert stats["avg_vtprune_visual_tokens"] > 64  # 64 per image, clips hold several frames
+    assert stats["avg_vtprune_visual_tokens"] > 16  # 16 per image, clips hold several frames
     assert stats["avg_vtprune_prefill_ms"] > 0 and stats["avg_vtprune_prefill_ms_per_sample"] > 0
 
 
