@@ -22,6 +22,22 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 RUN_TIMEOUT_MS = 90_000
+
+
+def _visual_tokens() -> int:
+    """Visual tokens per image of the demo's default model (the embedded LLaVA), from its config."""
+    import json
+
+    from vtprune.embedded import embedded_model_path
+
+    vision = json.loads((embedded_model_path("llava") / "config.json").read_text())["vision_config"]
+    return (vision["image_size"] // vision["patch_size"]) ** 2
+
+
+def _kept(keep: float) -> int:
+    from vtprune import keep_count
+
+    return keep_count(keep, _visual_tokens())
 NO_CHROMIUM = "Debian chromium is not installed at /usr/bin/chromium (run scripts/system-deps.sh as root)"
 
 
@@ -136,8 +152,9 @@ def test_image_run_shows_both_answers_counts_and_pictures(page, inputs) -> None:
     assert status.startswith("Answered"), status
     assert page.input_value("#answer-full textarea").strip()
     assert page.input_value("#answer-pruned textarea").strip()
-    assert page.inner_text("#tokens-full").startswith("64")
-    assert page.inner_text("#tokens-pruned") == "64 → 16 (layer 2)"
+    n = _visual_tokens()
+    assert page.inner_text("#tokens-full").startswith(str(n))
+    assert page.inner_text("#tokens-pruned") == f"{n} → {_kept(0.25)} (layer 2)"
     assert "FLOP" in page.inner_text("#flops-pruned") and "B" in page.inner_text("#kv-pruned")
     assert "FLOPs" in page.inner_text("#speedup")
     for picture in ("#overlay img", "#heatmap img"):
@@ -153,10 +170,10 @@ def test_switching_method_and_keep_changes_kept_count(page, inputs) -> None:
     page.fill("#question textarea", inputs["question"])
     _choose(page, "random", 0.5)
     assert _run(page).startswith("Answered")
-    assert page.inner_text("#tokens-pruned") == "64 → 32 (layer 2)"
+    assert page.inner_text("#tokens-pruned") == f"{_visual_tokens()} → {_kept(0.5)} (layer 2)"
     _choose(page, "pdrop", 0.25)
     assert _run(page).startswith("Answered")
-    assert page.inner_text("#tokens-pruned").endswith("→ 16 (layer 3)")
+    assert page.inner_text("#tokens-pruned").endswith(f"→ {_kept(0.25)} (layer 3)")
     assert page.inner_text("#tokens-pruned").count("→") == 3
 
 
