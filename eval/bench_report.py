@@ -48,22 +48,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['method']} | {float(r['keep']):g} | {float(r['accuracy']):.3f} | "
                      f"{_fmt(r['evidence_recall'])} | {float(r['mean_kept']):.1f} | {float(r['flops_ratio']):.3f} | "
                      f"{float(r['prefill_ms_p50']):.2f} |")
-    qtypes = sorted({r["qtype"] for r in rows} - {"all"})
-    lines += ["", "Accuracy per question type:", "",
-              "| method | keep | " + " | ".join(qtypes) + " |", "|---|---|" + "---|" * len(qtypes)]
-    by_key = defaultdict(dict)
-    for r in rows:
-        by_key[(r["method"], r["keep"])][r["qtype"]] = float(r["accuracy"])
-    for (method, keep), values in by_key.items():
-        lines.append(f"| {method} | {float(keep):g} | " + " | ".join(f"{values.get(q, float('nan')):.2f}"
-                                                                   for q in qtypes) + " |")
-    lines += ["", "Evidence recall per question type:", "",
-              "| method | keep | " + " | ".join(qtypes) + " |", "|---|---|" + "---|" * len(qtypes)]
-    recall = defaultdict(dict)
-    for r in rows:
-        recall[(r["method"], r["keep"])][r["qtype"]] = _fmt(r["evidence_recall"])
-    for (method, keep), values in recall.items():
-        lines.append(f"| {method} | {float(keep):g} | " + " | ".join(values.get(q, "n/a") for q in qtypes) + " |")
+    lines += _per_type_table(rows, "accuracy", "Accuracy per question type:", lambda v: f"{float(v):.2f}")
+    lines += _per_type_table(rows, "evidence_recall", "Evidence recall per question type:", _fmt)
     lines += ["", *goal_summary(rows)]
     first = rows[0]
     lines += ["", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
@@ -71,6 +57,18 @@ def markdown_table(rows: list[dict]) -> str:
               f"(timings: batch 1), torch {first['torch']}, transformers {first['transformers']}, "
               f"vtprune {first['vtprune']} @ {first['git_sha']}, {first['date']}."]
     return "\n".join(lines) + "\n"
+
+
+def _per_type_table(rows: list[dict], column: str, title: str, fmt) -> list[str]:
+    """Markdown lines: one row per (method, keep), one column per question type, cells ``fmt(row[column])``."""
+    qtypes = sorted({r["qtype"] for r in rows} - {"all"})
+    cells: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+    for r in rows:
+        cells[(r["method"], r["keep"])][r["qtype"]] = fmt(r[column])
+    lines = ["", title, "", "| method | keep | " + " | ".join(qtypes) + " |", "|---|---|" + "---|" * len(qtypes)]
+    for (method, keep), values in cells.items():
+        lines.append(f"| {method} | {float(keep):g} | " + " | ".join(values.get(q, "n/a") for q in qtypes) + " |")
+    return lines
 
 
 REFERENCE_METHODS = ("none", "random", "oracle")  # reference lines, not criteria
