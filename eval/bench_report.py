@@ -5,22 +5,23 @@ from __future__ import annotations
 import csv
 import datetime
 import platform
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
+from vtprune.eval.provenance import git_state, weights_fingerprint
+
 
 def git_sha() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return str(git_state()["git_sha"])
+
+
+def dirty(row: dict) -> str:
+    """`` (dirty tree)`` when a results row says the tree had uncommitted changes, else ``""``."""
+    return " (dirty tree)" if str(row.get("git_dirty", "False")) == "True" else ""
 
 
 def conditions(model, args) -> dict:
-    """Device, dtype, attention implementation, batch, versions and git SHA of a run."""
+    """Device, dtype, attention implementation, batch, versions, git SHA / dirty flag and weights fingerprint."""
     import torch
     import transformers
 
@@ -31,7 +32,7 @@ def conditions(model, args) -> dict:
     return {"device": name, "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),
             "attn_implementation": args.attn, "batch_size": getattr(args, "batch_size", 1),
             "torch": torch.__version__, "transformers": transformers.__version__, "vtprune": vtprune.__version__,
-            "git_sha": git_sha(), "date": datetime.date.today().isoformat()}
+            **git_state(), "weights_sha": weights_fingerprint(model), "date": datetime.date.today().isoformat()}
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -55,7 +56,8 @@ def markdown_table(rows: list[dict]) -> str:
     lines += ["", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
               f"dtype {first['dtype']}, attention {first['attn_implementation']}, batch {first['batch_size']} "
               f"(timings: batch 1), torch {first['torch']}, transformers {first['transformers']}, "
-              f"vtprune {first['vtprune']} @ {first['git_sha']}, {first['date']}."]
+              f"vtprune {first['vtprune']} @ {first['git_sha']}{dirty(first)}, weights {first.get('weights_sha', '?')}, "
+              f"{first['date']}."]
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm import tqdm
+from vtprune.eval.bench_report import dirty
 
 DEFAULT_METHODS = "none,fastv"
 DEFAULT_KEEPS = "1,0.25"
@@ -252,7 +253,8 @@ def markdown_table(rows: list[dict]) -> str:
               "", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
               f"dtype {first['dtype']}, attention {first['attn_implementation']}, route {first['route']}, "
               f"batch 1 (probes: one batch of 2K), torch {first['torch']}, transformers {first['transformers']}, "
-              f"vtprune {first['vtprune']} @ {first['git_sha']}, {first['date']}."]
+              f"vtprune {first['vtprune']} @ {first['git_sha']}{dirty(first)}, weights {first.get('weights_sha', '?')}, "
+              f"{first['date']}."]
     return "\n".join(lines) + "\n"
 
 
