@@ -75,14 +75,16 @@ def segmented_topk_torch_loop(scores: torch.Tensor, lengths: torch.Tensor, k: to
     return out
 
 
-def segmented_topk_torch(scores: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def segmented_topk_torch(scores: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor,
+                         k_max: int | None = None) -> torch.Tensor:
     """Vectorised torch version of :func:`segmented_topk_torch_loop` (same result, one batched stable sort).
 
     Padding is filled with ``-inf``; a stable sort ranks it after any valid ``-inf`` (padding sits at higher
     positions) and ``k[b] <= lengths[b]`` keeps it out of the selection.
     """
     bsz, n_cols = scores.shape
-    k_max = int(k.max()) if k.numel() else 0
+    if k_max is None:
+        k_max = int(k.max()) if k.numel() else 0
     if k_max == 0:
         return torch.empty((bsz, 0), dtype=torch.long, device=scores.device)
     pos = torch.arange(n_cols, device=scores.device)
@@ -96,7 +98,8 @@ def segmented_topk_torch(scores: torch.Tensor, lengths: torch.Tensor, k: torch.T
 
 
 def segmented_topk(
-    scores: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor, impl: str = "auto"
+    scores: torch.Tensor, lengths: torch.Tensor, k: torch.Tensor, impl: str = "auto",
+    k_max: int | None = None, check: bool = True,
 ) -> torch.Tensor:
     """Per sample ``b``, the positions of the ``k[b]`` highest scores among ``scores[b, :lengths[b]]``.
 
@@ -105,6 +108,9 @@ def segmented_topk(
         lengths: ``[B]`` integer valid span lengths (``0 <= lengths[b] <= N``).
         k: ``[B]`` integer counts to keep (``0 <= k[b] <= lengths[b]``).
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` (see :mod:`vtprune.kernels._dispatch`).
+        k_max: ``max(k)`` when the caller knows it on the host (saves a device sync).
+        check: validate the inputs (each check reads a device value); the engine, which builds valid
+            inputs, passes False.
 
     Returns:
         ``[B, K_max]`` int64 with ``K_max = max(k)``: row ``b`` holds ``k[b]`` positions in ascending order
@@ -114,11 +120,13 @@ def segmented_topk(
         ValueError: bad shapes/dtypes, ``k`` outside ``[0, lengths]``, ``lengths`` outside ``[0, N]``, or NaN in
             a valid span (the message names the sample).
     """
-    _validate(scores, lengths, k)
+    if check:
+        _validate(scores, lengths, k)
     scores = scores.contiguous()
     lengths = lengths.to(torch.long).contiguous()
     k = k.to(torch.long).contiguous()
-    k_max = int(k.max()) if k.numel() else 0
+    if k_max is None:
+        k_max = int(k.max()) if k.numel() else 0
     if k_max == 0:
         return torch.empty((scores.shape[0], 0), dtype=torch.long, device=scores.device)
     if resolve_impl(impl, scores.device, scores.dtype in TRITON_DTYPES) == "triton":
@@ -127,4 +135,4 @@ def segmented_topk(
     # Fallback: one batched sort on GPU; on CPU the per-sample loop is faster for large problems (measured).
     if scores.device.type == "cpu" and scores.numel() > CPU_LOOP_NUMEL:
         return segmented_topk_torch_loop(scores, lengths, k)
-    return segmented_topk_torch(scores, lengths, k)
+    return segmented_topk_torch(scores, lengths, k, k_max)

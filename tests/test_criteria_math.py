@@ -284,8 +284,17 @@ def test_ttv_equals_direct_recomputation_from_captured_hidden_states():
             lambda m, args, out, i=index: captured.__setitem__((i, "attn"), out[0].detach())))
     try:
         with torch.no_grad(), vtprune.apply(model, "ttv", schedule="2:0.5", ttv_start=0) as handle:
+            recorded = {}
+            accumulate = handle.method.accumulated_ttv
+
+            def spy(ctx):  # the call's state is dropped when the prefill returns: read it while scoring
+                out = accumulate(ctx)
+                recorded["ttv"] = ctx.state["ttv"].clone()
+                return out
+
+            handle.method.accumulated_ttv = spy
             model(**inputs)
-            state = handle._call.method_state["ttv"]
+            state = recorded["ttv"]
     finally:
         for hook in hooks:
             hook.remove()

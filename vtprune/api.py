@@ -10,13 +10,14 @@ from torch import nn
 
 from vtprune.adapters import get_adapter
 from vtprune.config import PruneConfig, Stage, validate_stages
-from vtprune.engine import PruneHandle
+from vtprune.engine import RECORD_INDICES, PruneHandle
 from vtprune.methods import Method, make_method
 
 UNSUPPORTED_ATTENTION = ("flex_attention",)
 
 
-def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.25, **options: Any) -> PruneHandle:
+def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.25, *,
+         record_indices: int = RECORD_INDICES, **options: Any) -> PruneHandle:
     """Prune the visual tokens of ``model`` in every later forward / ``generate`` call.
 
     Parameters
@@ -27,6 +28,8 @@ def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.
     keep: final fraction of visual tokens kept, in ``(0, 1]``.
     options: :class:`PruneConfig` fields (``schedule="2:0.5,8:0.25"``, ``layer=2``, ``positions``,
         ``debias``, ``seed``) and method options (e.g. ``alpha=0.5``).
+    record_indices: how many of the most recent calls keep their ``kept_indices`` in ``handle.stats``
+        (counts are kept for the last 1,000 calls; older kept indices are dropped to bound memory).
 
     Returns the :class:`PruneHandle`; ``handle.remove()`` restores the pristine model.
 
@@ -48,7 +51,7 @@ def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.
     stages = config.stages if config.stages is not None else pruner.default_stages(adapter.num_layers, config.keep)
     if stages:
         _check_stages(stages, adapter, pruner, config)
-    handle = PruneHandle(model, adapter, pruner, config, tuple(stages))
+    handle = PruneHandle(model, adapter, pruner, config, tuple(stages), record_indices=record_indices)
     model._vtprune_handle = handle
     return handle
 

@@ -30,14 +30,16 @@ class Layout:
         return not bool(self.valid.all())
 
 
-def repad(keep: torch.Tensor, left: bool) -> Layout:
+def repad(keep: torch.Tensor, left: bool, new_length: int | None = None) -> Layout:
     """Pack the True positions of ``keep`` ``[B, L]`` into a padded layout, preserving their order.
 
     Left padding puts pads first so that every sample ends at index ``-1``; right padding puts them last.
+    ``new_length`` (host int, optional) is the largest kept count; given, the function does not sync.
     """
     batch, length = keep.shape
     counts = keep.sum(dim=1)
-    new_length = int(counts.max()) if batch else 0
+    if new_length is None:
+        new_length = int(counts.max()) if batch else 0
     positions = torch.arange(length, device=keep.device).expand(batch, length)
     # Stable sort keeps kept positions in order and moves the dropped ones behind them.
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :new_length]

@@ -1,7 +1,13 @@
-"""Per-forward bookkeeping of the engine: the layout each layer sees, and the recorded statistics."""
+"""Per-call bookkeeping of the engine: the layout each layer sees, the recorded statistics, the selection.
+
+A :class:`CallState` lives from a prefill to the end of its decoding. Its prefill-only part (the call's
+inputs, scores, the method's captures, the per-stage layer arguments) is dropped as soon as the prefill
+returns (:meth:`CallState.finish_prefill`); what decoding needs is a few ``[B, L_s]`` masks and host ints.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,14 +22,28 @@ class CallStats:
     """What one prefill did: visual tokens per sample before pruning and kept after each stage.
 
     ``kept_indices[s][b]`` lists the visual tokens of sample ``b`` alive after stage ``s``, as ordinals in
-    the sample's visual tokens (grid order: row-major per image, images in prompt order).
+    the sample's visual tokens (grid order: row-major per image, images in prompt order). It is kept for the
+    most recent calls only (``wrap(..., record_indices=N)``, default 8); older entries of ``handle.stats``
+    hold ``None`` there, so a long-lived handle stays small.
     """
 
     visual_tokens: list[int]
     stage_layers: list[int] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
-    kept_indices: list[list[list[int]]] = field(default_factory=list)
-    forward_ms: float | None = None
+    kept_indices: list[list[list[int]]] | None = field(default_factory=list)
+    timer: Any = field(default=None, repr=False)
+    _forward_ms: float | None = field(default=None, repr=False)
+
+    @property
+    def forward_ms(self) -> float | None:
+        """Wall time of the prefill forward in ms (on CUDA from events, read without syncing the forward)."""
+        if self._forward_ms is None and self.timer is not None:
+            self._forward_ms, self.timer = self.timer.elapsed_ms(), None
+        return self._forward_ms
+
+    @forward_ms.setter
+    def forward_ms(self, value: float | None) -> None:
+        self._forward_ms, self.timer = value, None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -35,19 +55,59 @@ class CallStats:
         }
 
 
+class Timer:
+    """Prefill wall time: ``perf_counter`` on CPU, CUDA events on GPU (no synchronisation inside the call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.started, self.stopped = time.perf_counter(), None
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.stopped = time.perf_counter()
+
+    def elapsed_ms(self) -> float | None:
+        if self.events is not None:
+            self.events[1].synchronize()
+            return float(self.events[0].elapsed_time(self.events[1]))
+        return None if self.stopped is None else (self.stopped - self.started) * 1000.0
+
+
 @dataclass
 class StageView:
     """The sequence seen by the layers of one stage, relative to the language model's input.
 
-    ``index`` ``[B, L_s]`` points into the LM input positions, ``valid`` marks real slots; ``kwargs``
-    caches the sliced layer arguments (mask, cos/sin, position ids) built once per stage.
+    ``index`` ``[B, L_s]`` points into the LM input positions, ``valid`` marks real slots; ``lengths`` (host)
+    is the number of valid slots per sample; ``kwargs`` caches the sliced layer arguments (mask, cos/sin,
+    position ids) built once per stage during prefill.
     """
 
     index: torch.Tensor
     valid: torch.Tensor
     visual: torch.Tensor
     ordinal: torch.Tensor
+    lengths: list[int]
+    alive: list[int]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    index_in_previous: torch.Tensor | None = None
+
+    @property
+    def padded(self) -> bool:
+        """True when some slot is padding (the samples' lengths differ, or the width exceeds them)."""
+        return min(self.lengths, default=0) != self.index.shape[1]
+
+
+@dataclass
+class DecodeRegion:
+    """What a decode step needs for the layers of one in-LM stage: its kept slots ``valid`` ``[B, L_s]``."""
+
+    valid: torch.Tensor
+    padded: bool
+    removed: torch.Tensor | None = None
 
 
 @dataclass
@@ -55,31 +115,45 @@ class CallState:
     """Everything the hooks share during one prefill and the decode steps that follow it."""
 
     num_visual: torch.Tensor
-    segments: list[list[VisualSegment]]
-    inputs: dict[str, Any]
-    visual: torch.Tensor
-    ordinal: torch.Tensor
+    visual_counts: list[int]
     prompt_length: int
     stats: CallStats
+    segments: list[list[VisualSegment]] | None = None
+    inputs: dict[str, Any] | None = None
+    visual: torch.Tensor | None = None
+    ordinal: torch.Tensor | None = None
+    method_state: dict[str, Any] = field(default_factory=dict)
+    text_counts: list[int] = field(default_factory=list)
+    stage_ordinals: list[torch.Tensor] = field(default_factory=list)
     left_padding: bool = True
-    cache: Any = None
-    decoding: bool = False
-    decoded: int = 0
-    lm_valid: torch.Tensor | None = None
-    pre_llm_index: torch.Tensor | None = None
-    pre_llm_valid: torch.Tensor | None = None
     views: list[StageView] = field(default_factory=list)
     base_count: torch.Tensor | None = None
     next_stage: int = 0
     pending_scores: torch.Tensor | None = None
+    pre_llm_index: torch.Tensor | None = None
+    # decode
+    decoding: bool = False
+    decoded: int = 0
+    pre_llm_valid: torch.Tensor | None = None
+    pre_llm_padded: bool = False
+    regions: list[DecodeRegion] = field(default_factory=list)
     decode_columns: torch.Tensor | None = None
-    method_state: dict[str, Any] = field(default_factory=dict)
-    started: float = 0.0
+    step: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def view(self) -> StageView | None:
         """The view of the deepest stage reached so far (prefill)."""
         return self.views[-1] if self.views else None
+
+    def finish_prefill(self, compact: bool) -> None:
+        """Keep only what decoding needs; drop inputs, captures, scores and the per-stage layer arguments."""
+        self.regions = []
+        for view in self.views[1:]:
+            removed = (self.base_count - view.valid.sum(dim=1))[:, None] if compact else None
+            self.regions.append(DecodeRegion(valid=view.valid, padded=view.padded, removed=removed))
+        self.inputs, self.segments, self.visual, self.ordinal = None, None, None, None
+        self.method_state, self.views, self.pending_scores, self.pre_llm_index = {}, [], None, None
+        self.stage_ordinals = []
 
 
 def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
@@ -89,43 +163,72 @@ def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
 
 
 def select_keep(
-    scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor
+    scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
+    width: int | None = None, k_max: int | None = None,
 ) -> torch.Tensor:
     """Keep mask ``[B, L]``: every valid text slot plus the top ``counts[b]`` alive visual slots by score.
 
-    scores: ``[B, L]`` float; visual / valid: ``[B, L]`` bool; counts: ``[B]`` long. Ties go to the
-    earlier token (``vtprune.kernels.segmented_topk``).
+    scores: ``[B, L]`` float; visual / valid: ``[B, L]`` bool; counts: ``[B]`` long; ``width`` (optional,
+    host int) the largest number of alive visual slots of a sample and ``k_max`` the largest kept count:
+    given both, nothing is read back from the device. Ties go to the earlier token
+    (``vtprune.kernels.segmented_topk``).
     """
     from vtprune.kernels import segmented_topk
 
     batch, length = visual.shape
     alive = visual & valid
     lengths = alive.sum(dim=1)
-    width = max(int(lengths.max()) if batch else 0, 1)
+    if width is None:
+        width = int(lengths.max()) if batch else 0
+    width = max(width, 1)
     order = torch.sort((~alive).to(torch.int8), dim=1, stable=True).indices[:, :width]
     slot_valid = torch.arange(width, device=visual.device)[None, :] < lengths[:, None]
     packed = torch.gather(scores.float(), 1, order).masked_fill(~slot_valid, 0.0)
     k = torch.minimum(counts.to(lengths.device), lengths)
-    chosen = segmented_topk(packed, lengths, k)
-    keep = valid & ~visual
-    picked = chosen >= 0
-    rows = torch.arange(batch, device=visual.device)[:, None].expand_as(chosen)
+    chosen = segmented_topk(packed, lengths, k, k_max=k_max, check=k_max is None)
     positions = torch.gather(order, 1, chosen.clamp(min=0))
-    keep[rows[picked], positions[picked]] = True
-    return keep
+    # Scatter without boolean indexing (no data-dependent shape): unpicked slots write to a dummy column.
+    positions = torch.where(chosen >= 0, positions, torch.full_like(positions, length))
+    chosen_mask = torch.zeros(batch, length + 1, dtype=torch.bool, device=visual.device)
+    chosen_mask.scatter_(1, positions, True)
+    return (valid & ~visual) | chosen_mask[:, :length]
 
 
-def next_view(view: StageView, keep: torch.Tensor, left: bool) -> StageView:
-    """Compose ``view`` with a keep mask over its slots into the view of the next stage."""
-    layout: Layout = repad(keep, left)
+def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[int]) -> StageView:
+    """Compose ``view`` with the re-padded ``layout`` of a keep mask over its slots (the next stage's view)."""
     return StageView(
         index=torch.gather(view.index, 1, layout.index),
         valid=layout.valid,
         visual=torch.gather(view.visual, 1, layout.index) & layout.valid,
         ordinal=torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1),
+        lengths=lengths,
+        alive=alive,
     )
 
 
 def gather_view(tensor: torch.Tensor, view: StageView, dim: int = 1) -> torch.Tensor:
     """Slice a per-position tensor of the LM input (``[B, L, ...]`` or ``[.., B, L]``) to ``view``."""
     return gather_tokens(tensor, view.index, dim)
+
+
+def kept_ordinals(ordinals: list[torch.Tensor]) -> list[list[list[int]]]:
+    """``[stage][sample]`` sorted visual ordinals alive after each stage (one host transfer for all stages).
+
+    ordinals: per stage, ``[B, L_s]`` long, the visual ordinal of each slot of the stage's view (``-1``: none).
+    """
+    if not ordinals:
+        return []
+    widths = [o.shape[1] for o in ordinals]
+    rows = torch.cat(ordinals, dim=1).tolist()
+    result: list[list[list[int]]] = [[] for _ in widths]
+    for row in rows:
+        start = 0
+        for stage, width in enumerate(widths):
+            result[stage].append(sorted(x for x in row[start:start + width] if x >= 0))
+            start += width
+    return result
+
+
+def repad_known(keep: torch.Tensor, left: bool, lengths: list[int]) -> Layout:
+    """:func:`vtprune.layout.repad` with the kept lengths known on the host (no device sync)."""
+    return repad(keep, left, new_length=max(lengths, default=0))

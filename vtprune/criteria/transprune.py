@@ -5,8 +5,9 @@
   sub-block input (``input_layernorm(x)`` / ``post_attention_layernorm(h)``) and ``T_out`` its output
   before the residual (``self_attn`` / ``mlp``); the softmax runs per sample over its valid tokens.
   ``TTV_l = TTV_attn + TTV_mlp`` is summed over the accumulation layers that ran before the stage.
-  Captured by forward hooks on the two norms, ``self_attn`` and ``mlp``; only ``[B, L]`` vectors are kept,
-  re-indexed by visual ordinal at each stage, so they stay aligned after every gather.
+  Captured by forward hooks on the two norms, ``self_attn`` and ``mlp`` into the call's own state (never
+  while decoding); only ``[B, L]`` vectors are kept, re-indexed by visual ordinal at each stage, so they stay
+  aligned after every gather.
 * **IGA**: head- and query-averaged attention of the text after the last visual token
   (``ctx.attention("instruction")``), recomputed with the stage layer's own q/k on its input (= the output
   of the previous layer, the paper's ``IGA_{p+1}``); optional attention debiasing (``debias=``).
@@ -76,11 +77,7 @@ class TokenTransitionVariation(Method):
                 f"ttv_start={self.ttv_start} must be in [0, {stages[-1].layer - 1}] (before the last stage "
                 f"at layer {stages[-1].layer}); leave it None to start one layer before the first stage."
             )
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._inputs: dict[tuple[int, str], torch.Tensor] = {}
-        self._capturing = False
-        lm = handle.adapter.language_model
-        handle.add_hook(lm.register_forward_pre_hook(self._on_lm_call, with_kwargs=True))
+        self._handle = handle
         for index in range(start, stages[-1].layer):
             layer = handle.adapter.decoder_layers[index]
             for part, norm, block in (("attn", layer.input_layernorm, layer.self_attn),
@@ -88,26 +85,25 @@ class TokenTransitionVariation(Method):
                 handle.add_hook(norm.register_forward_hook(self._save_input(index, part)))
                 handle.add_hook(block.register_forward_hook(self._save_terms(index, part)))
 
-    def _on_lm_call(self, module: Any, args: tuple, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values")
-        self._pending, self._inputs = [], {}
-        self._capturing = cache is None or cache.get_seq_length() == 0
-
     def _save_input(self, index: int, part: str):
         def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
-            if self._capturing:
-                self._inputs[(index, part)] = output
+            state = self._handle.call_state()
+            if state is not None:  # a prefill with visual tokens (never while decoding)
+                state.setdefault("ttv_inputs", {})[(index, part)] = output
 
         return hook
 
     def _save_terms(self, index: int, part: str):
         def hook(module: Any, args: tuple, output: Any) -> None:
-            t_in = self._inputs.pop((index, part), None)
-            if not self._capturing or t_in is None:
+            state = self._handle.call_state()
+            if state is None:
+                return
+            t_in = state.get("ttv_inputs", {}).pop((index, part), None)
+            if t_in is None:
                 return
             t_out = output[0] if isinstance(output, tuple) else output
             with torch.no_grad():
-                self._pending.append(ttv_terms(t_in, t_out, self.abs_cos))
+                state.setdefault("ttv_pending", []).append(ttv_terms(t_in, t_out, self.abs_cos))
 
         return hook
 
@@ -118,7 +114,7 @@ class TokenTransitionVariation(Method):
         total = ctx.state.get("ttv")
         if total is None:
             total = torch.zeros(batch, int(ctx.num_visual.max()) + 1, device=ctx.valid.device)
-        for magnitude, direction in getattr(self, "_pending", []):
+        for magnitude, direction in ctx.state.pop("ttv_pending", []):
             if magnitude.shape != ctx.valid.shape:
                 raise RuntimeError(f"TTV captured for {tuple(magnitude.shape)} slots but the stage has "
                                    f"{tuple(ctx.valid.shape)}; a hook saw another layout.")
@@ -126,7 +122,6 @@ class TokenTransitionVariation(Method):
             alive = ctx.ordinal >= 0
             rows = torch.arange(batch, device=value.device)[:, None].expand_as(ctx.ordinal)
             total = total.index_put((rows[alive], ctx.ordinal[alive]), value[alive], accumulate=True)
-        self._pending = []
         ctx.state["ttv"] = total
         gathered = total.gather(1, ctx.ordinal.clamp(min=0))
         return torch.where(ctx.ordinal >= 0, gathered, torch.zeros_like(gathered))

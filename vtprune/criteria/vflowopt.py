@@ -132,43 +132,49 @@ class VFlowOpt(Method):
         except ValueError:
             handle.remove()
             raise
-        self._adapter, self._crops, self._pixels = adapter, None, None
+        self._adapter, self._handle = adapter, handle
         self._stats = vit.pixel_statistics(adapter, self.image_mean, self.image_std)
         self._patch = int(adapter.config.vision_config.patch_size)
         handle.add_hook(adapter.vision_tower.register_forward_pre_hook(self._grab_pixels, with_kwargs=True))
         handle.add_hook(layers[index].register_forward_pre_hook(self._grab_layer, with_kwargs=True))
 
     def _grab_pixels(self, module: Any, args: tuple, kwargs: dict) -> None:
-        self._pixels = args[0] if args else kwargs.get("pixel_values")
+        state = self._handle.call_state(outside=True)  # generate() runs the tower before its first forward
+        if state is not None and self.alpha:
+            state["vflowopt_pixels"] = args[0] if args else kwargs.get("pixel_values")
 
     def _grab_layer(self, module: Any, args: tuple, kwargs: dict) -> None:
+        state = self._handle.call_state(outside=True)
+        if state is None:
+            return
         hidden = args[0] if args else kwargs["hidden_states"]
         with torch.no_grad():
             attention = vit.vit_attention(module, hidden)
             tokens = attention.shape[-1]
             threshold = self.threshold if self.threshold is not None else RELEASED_THRESHOLD * tokens / RELEASED_TOKENS
             crops = vit.crop_tokens(self._adapter, vit.context_relevance(attention, float(threshold)))
-            if self.alpha and self._pixels is not None:
-                rgb = denormalize(self._pixels.reshape(-1, *self._pixels.shape[-3:]), *self._stats)
+            pixels = state.pop("vflowopt_pixels", None)
+            if self.alpha and pixels is not None:
+                rgb = denormalize(pixels.reshape(-1, *pixels.shape[-3:]), *self._stats)
                 weights = entropy_weights(patch_entropy(rgb, self._patch)).to(crops.device)
                 crops = crops.clone()
                 crops[:, -weights.shape[1]:] += self.alpha * weights
-        self._crops = crops
+        state["vflowopt_crops"] = crops
 
     # -- scoring -------------------------------------------------------------------------------------------
     def importance(self, ctx: ScoreContext) -> torch.Tensor:
         """The map ``[B, N0max + 1]`` by visual ordinal (built once per call from the captured ViT layer)."""
         table = ctx.state.get("vflowopt")
         if table is None:
-            if self._crops is None:
+            crops = ctx.state.pop("vflowopt_crops", None)
+            if crops is None:
                 raise RuntimeError("vflowopt found no vision-tower map for this call (were images passed?).")
             counts = [int(n) for n in ctx.num_visual.tolist()]
-            maps = vit.arrange(ctx.adapter, self._crops, ctx.inputs, counts)
+            maps = vit.arrange(ctx.adapter, crops, ctx.inputs, counts)
             table = torch.zeros(len(counts), max(counts) + 1, device=ctx.valid.device)
             for row, (values, _) in enumerate(maps):
                 table[row, : values.numel()] = values.to(table.device)
             ctx.state["vflowopt"], ctx.state["vflowopt_grids"] = table, [grids for _, grids in maps]
-            self._crops = None
         return table
 
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""An independent reference for pruned decoding that shares no code with vtprune's engine.
+
+Given the visual tokens each stage kept (as ordinals), it recomputes every step from scratch (no KV cache):
+the unwrapped model gives the hidden states entering the first stage layer (a plain forward pre-hook), the
+kept positions are gathered with plain indexing, the remaining decoder layers run directly with a hand-built
+causal mask and the language model's own rotary embedding, and the next token is the greedy argmax. One
+sample at a time, with no padding. Only transformers' modules are used: no vtprune function is called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _language_model(model):
+    return model.model.language_model
+
+
+def _visual_positions(model, ids: torch.Tensor) -> torch.Tensor:
+    tokens = [getattr(model.config, name, None) for name in ("image_token_id", "video_token_id")]
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for token in tokens:
+        if token is not None:
+            mask |= ids == token
+    return mask[0].nonzero().flatten()
+
+
+def _positions(model, inputs: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Position ids of ``ids`` (``[1, L]``; ``[3, 1, L]`` M-RoPE for Qwen-VL), as the model computes them."""
+    if not model.config.model_type.startswith("qwen"):
+        return torch.arange(ids.shape[1])[None]
+    extra = ids.shape[1] - inputs["input_ids"].shape[1]
+    types = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, extra, dtype=inputs["mm_token_type_ids"].dtype)], 1)
+    grids = {k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
+    positions, _ = model.model.get_rope_index(ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
+                                              **grids)
+    return positions
+
+
+def _causal(n: int, dtype: torch.dtype) -> torch.Tensor:
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    return torch.zeros(1, 1, n, n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+@torch.no_grad()
+def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], kept: list[list[int]],
+                   compact: bool = False) -> torch.Tensor:
+    """Next-token logits ``[V]`` of one sample ``ids`` ``[1, L]`` when stage ``s`` (before decoder layer
+    ``stages[s]``) keeps the visual tokens with ordinals ``kept[s]``; text is never pruned."""
+    lm = _language_model(model)
+    extra = ids.shape[1] - inputs["input_ids"].shape[1]
+    full = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    if "mm_token_type_ids" in inputs:
+        full["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(1, extra, dtype=inputs["mm_token_type_ids"].dtype)], 1)
+    if not stages:
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **full).logits[0, -1]
+    captured = {}
+
+    def grab(module, args, kwargs):  # the input of the first stage layer (Qwen3-VL DeepStack included)
+        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
+
+    hook = lm.layers[stages[0]].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **full)
+    finally:
+        hook.remove()
+    hidden = captured["hidden"]
+    positions = _positions(model, inputs, ids)
+    visual = _visual_positions(model, ids)
+    alive = torch.arange(ids.shape[1])
+    bounds = [*stages, len(lm.layers)]
+    for stage, kept_ordinals in enumerate(kept):
+        keep = torch.ones(ids.shape[1], dtype=torch.bool)
+        keep[visual] = False
+        keep[visual[torch.tensor(kept_ordinals, dtype=torch.long)]] = True
+        selected = keep[alive]
+        hidden, alive = hidden[:, selected], alive[selected]
+        stage_positions = positions[..., alive]
+        if compact:
+            stage_positions = torch.arange(alive.numel())[None]
+        cos, sin = lm.rotary_emb(hidden, stage_positions)
+        mask = _causal(alive.numel(), hidden.dtype)
+        for index in range(bounds[stage], bounds[stage + 1]):
+            out = lm.layers[index](hidden, attention_mask=mask, position_ids=None, position_embeddings=(cos, sin))
+            hidden = out[0] if isinstance(out, tuple) else out
+    return model.lm_head(lm.norm(hidden)[0, -1])
+
+
+def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int]], steps: int,
+                     suppress: int, compact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens ``[steps]`` and logits ``[steps, V]`` of one sample by recomputing every step.
+
+    ``suppress``: token ids below it are never chosen (the tests suppress placeholder tokens).
+    """
+    ids = inputs["input_ids"]
+    tokens, logits = [], []
+    for _ in range(steps):
+        step_logits = reference_step(model, inputs, ids, stages, kept, compact).float()
+        choice = step_logits.clone()
+        choice[:suppress] = float("-inf")
+        token = int(choice.argmax())
+        tokens.append(token)
+        logits.append(step_logits)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return torch.tensor(tokens), torch.stack(logits)

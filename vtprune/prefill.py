@@ -1,0 +1,163 @@
+"""Prefill: score, select and slice the visual tokens (the pre-LLM stage and the in-LM stages).
+
+Lengths after each stage are known on the host (``text + keep_count`` per sample), so a stage reads nothing
+back from the device unless the method changes the keep mask itself (VFlowOpt's recycling).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from vtprune.config import Stage, keep_count
+from vtprune.layout import attention_mask_for, gather_tokens, mask_style
+from vtprune.methods import Method
+from vtprune.scoring import ScoreContext
+from vtprune.state import CallState, StageView, next_view, repad_known, select_keep
+
+if TYPE_CHECKING:
+    from vtprune.engine import PruneHandle
+
+
+def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Language-model pre-hook at prefill: read the padding, build the first view, run a pre-LLM stage."""
+    embeds = kwargs.get("inputs_embeds")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+        raise RuntimeError(
+            "vtprune needs the 2-D attention mask and a DynamicCache; this call passed a prepared 4-D mask "
+            "(static or compiled cache). Use the default cache (generate(..., cache_implementation=None))."
+        )
+    if embeds is None:
+        return None
+    batch, length = embeds.shape[:2]
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        valid = mask.bool()
+    else:
+        valid = torch.ones(batch, length, dtype=torch.bool, device=embeds.device)
+    lengths, first, last = torch.stack([valid.sum(dim=1), valid[:, 0].long(), valid[:, -1].long()]).tolist()
+    call.left_padding = not all(first) or all(last)
+    call.text_counts = [n - v for n, v in zip(lengths, call.visual_counts, strict=True)]
+    view = StageView(
+        index=torch.arange(length, device=embeds.device).expand(batch, length),
+        valid=valid, visual=call.visual & valid, ordinal=call.ordinal,
+        lengths=lengths, alive=list(call.visual_counts),
+    )
+    stages = handle.stages
+    if stages and stages[0].layer == 0:
+        kwargs, view = _pre_llm_stage(handle, call, kwargs, view)
+    call.views = [view]
+    call.base_count = view.valid.sum(dim=1)
+    call.next_stage = 1 if stages and stages[0].layer == 0 else 0
+    return args, kwargs
+
+
+def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
+    stage = handle.stages[0]
+    embeds = kwargs["inputs_embeds"]
+    ctx = context(handle, call, view, embeds, -1, None, None)
+    keep, embeds, new = select(handle, call, ctx, stage, view, embeds)
+    kwargs = dict(kwargs)
+    kwargs["inputs_embeds"] = gather_tokens(embeds, new.index_in_previous, 1)
+    kwargs["attention_mask"] = new.valid.long()
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
+    kwargs["position_ids"] = gather_tokens(positions, new.index_in_previous, positions.dim() - 1)
+    call.pre_llm_index, call.pre_llm_valid, call.pre_llm_padded = new.index, new.valid, new.padded
+    width = new.index.shape[1]
+    identity = torch.arange(width, device=embeds.device).expand(embeds.shape[0], width)
+    return kwargs, StageView(index=identity, valid=new.valid, visual=new.visual, ordinal=new.ordinal,
+                             lengths=new.lengths, alive=new.alive)
+
+
+def layer(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
+    """Decoder-layer pre-hook at prefill: score at scoring layers, drop at stage layers, slice the arguments."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    original = kwargs
+    kwargs = apply_view(handle, call, original)
+    stages, method = handle.stages, handle.method
+    while call.next_stage < len(stages):
+        stage = stages[call.next_stage]
+        ctx = context(handle, call, call.view, hidden, index, module, kwargs.get("position_embeddings"))
+        if method.score_layer(stage) == index and call.pending_scores is None:
+            call.pending_scores = method.score(ctx, stage)
+        if stage.layer != index:
+            break
+        _, hidden, new = select(handle, call, ctx, stage, call.view, hidden)
+        hidden = gather_tokens(hidden, new.index_in_previous, 1)
+        call.views.append(new)
+        call.next_stage += 1
+        kwargs = apply_view(handle, call, original)
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
+    """Replace mask, ``(cos, sin)`` and position ids by those of the current view (built once per view)."""
+    view = call.view
+    if view.kwargs.get("source") is not None:
+        return {**kwargs, **{k: v for k, v in view.kwargs.items() if k != "source"}}
+    if len(call.views) == 1:
+        view.kwargs["source"] = "identity"
+        return kwargs
+    update: dict[str, Any] = {"source": "view"}
+    incoming = kwargs.get("attention_mask")
+    style = mask_style(incoming, handle.adapter.attn_implementation)
+    length = view.index.shape[1]
+    if incoming is not None or view.padded:
+        dtype = incoming.dtype if isinstance(incoming, torch.Tensor) else torch.float32
+        update["attention_mask"] = attention_mask_for(view.valid, length, style, dtype)
+    else:
+        update["attention_mask"] = None
+    embeddings = kwargs.get("position_embeddings")
+    if embeddings is not None:
+        update["position_embeddings"] = tuple(gather_tokens(t, view.index, 1) for t in embeddings)
+    positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor):
+        update["position_ids"] = gather_tokens(positions, view.index, positions.dim() - 1)
+    if handle.config.positions == "compact" and embeddings is not None:
+        compact = (view.valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        cos, sin = handle.adapter.language_model.rotary_emb(embeddings[0], compact.to(embeddings[0].device))
+        update.update({"position_embeddings": (cos, sin), "position_ids": compact})
+    view.kwargs = update
+    return {**kwargs, **{k: v for k, v in update.items() if k != "source"}}
+
+
+def context(handle: PruneHandle, call: CallState, view: StageView, hidden: torch.Tensor, index: int,
+            layer_module: nn.Module | None, embeddings: Any) -> ScoreContext:
+    return ScoreContext(
+        hidden=hidden, layer_index=index, layer=layer_module, position_embeddings=embeddings,
+        valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
+        segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
+    )
+
+
+def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, stage: Stage, view: StageView,
+           hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, StageView]:
+    """Keep mask ``[B, L]``, hidden states (possibly merged) and the next view of one stage; records stats."""
+    method = handle.method
+    scores = call.pending_scores
+    if scores is None or scores.shape != view.valid.shape:
+        scores = method.score(ctx, stage)
+    call.pending_scores = None
+    counts = [min(keep_count(stage.keep, n), alive) for n, alive in zip(call.visual_counts, view.alive, strict=True)]
+    device = view.valid.device
+    keep = select_keep(scores.to(device), view.visual, view.valid, torch.tensor(counts, device=device),
+                       width=max(view.alive, default=0), k_max=max(counts, default=0))
+    keep, hidden = method.refine(ctx, stage, keep, scores, hidden)
+    if type(method).refine is not Method.refine:  # the method may have changed the mask: read the counts
+        alive, lengths = torch.stack([(keep & view.visual).sum(dim=1), keep.sum(dim=1)]).tolist()
+    else:
+        alive = counts
+        lengths = [text + kept for text, kept in zip(call.text_counts, counts, strict=True)]
+    layout = repad_known(keep, call.left_padding, lengths)
+    new = next_view(view, layout, lengths, alive)
+    new.index_in_previous = layout.index
+    call.stats.stage_layers.append(stage.layer)
+    call.stats.kept.append(list(alive))
+    call.stage_ordinals.append(new.ordinal)
+    return keep, hidden, new
