@@ -23,6 +23,7 @@ from PIL import Image  # noqa: E402
 
 import vtprune  # noqa: E402
 from demos import overlay  # noqa: E402
+from vtprune.cli_checks import check_port, exposure_warning  # noqa: E402
 from vtprune.demo_app import (  # noqa: E402
     MAX_UPLOAD_MB,
     Comparison,
@@ -34,6 +35,7 @@ from vtprune.demo_app import (  # noqa: E402
     load_image,
     write_examples,
 )
+from vtprune.errors import UserError  # noqa: E402
 
 LOG = logging.getLogger("vtprune.demo")
 OUTPUTS = ("status", "answer_full", "answer_pruned", "metrics", "overlay", "heatmap", "caption", "gp_map",
@@ -148,8 +150,9 @@ def run_image(runner: DemoRunner, path: str, question: str, method: str, keep: f
     """Outputs for an image upload: answers, metrics table and pictures."""
     result = runner.compare(load_image(path), question, method, keep, debias)
     kept_picture, heat_picture, caption = _pictures(result, method)
+    notes = "".join(f" Note: {note}" for note in result.notes)
     return _result(status=f"Answered with **{runner.label}**: unpruned vs **{method}** keeping "
-                          f"{result.pruned.final_tokens} of {result.pruned.visual_tokens} visual tokens.",
+                          f"{result.pruned.final_tokens} of {result.pruned.visual_tokens} visual tokens.{notes}",
                    answer_full=result.full.answer, answer_pruned=result.pruned.answer,
                    metrics=metrics_html(result, method, keep), overlay=kept_picture, heatmap=heat_picture,
                    caption=caption, tabs=gr.Tabs(selected="image-results"))
@@ -192,6 +195,8 @@ def on_run(runner: DemoRunner, path: str | None, question: str, method: str, kee
             return run_video(runner, path, question.strip(), method, keep, debias, grid)
         return run_image(runner, path, question.strip(), method, keep, debias)
     except UploadError as error:
+        return _result(status=f"⚠️ Cannot run: {error}")
+    except UserError as error:  # e.g. a question longer than the model's context
         return _result(status=f"⚠️ Cannot run: {error}")
     except VideoUnavailable as error:
         return _result(status=f"⚠️ {error}", video_info=str(error), tabs=gr.Tabs(selected="video-results"))
@@ -305,7 +310,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--share", action="store_true", help="public Gradio link (off by default)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     args = parser.parse_args(argv)
-    launch(build_app(args.model, device=args.device), args.host, args.port, args.share)
+    from vtprune.loading import check_device, check_model_spec
+
+    try:
+        check_port(args.host, args.port)
+        check_model_spec(args.model)
+        check_device(args.device)
+        warning = exposure_warning(args.host, args.share)
+        if warning:
+            print(warning, file=sys.stderr)
+        demo = build_app(args.model, device=args.device)
+    except UserError as error:
+        parser.error(str(error))
+    launch(demo, args.host, args.port, args.share)
     return 0
 
 

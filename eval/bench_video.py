@@ -325,7 +325,10 @@ def run_video(args: argparse.Namespace) -> Path:
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from vtprune.cli_checks import check_output_dir
+
     methods, keeps, out = resolve_defaults(args)
+    check_output_dir(out)
     args.model = args.model or default_video_spec()
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     questions = load_questions(args.split, args.clips, getattr(args, "open_ended", False))

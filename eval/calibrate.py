@@ -21,6 +21,8 @@ from PIL import Image
 
 from vtprune.config import PruneConfig, Stage
 from vtprune.criteria.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
+from vtprune.errors import UserError
+from vtprune.images import open_image
 from vtprune.methods import METHODS, Method, make_method
 from vtprune.scoring import ScoreContext
 
@@ -41,17 +43,31 @@ def calibration_items(data: str | None, n: int) -> list[tuple[Image.Image, str]]
         return [(s.image, s.questions[i % len(s.questions)].text) for i, s in enumerate(samples)]
     folder = Path(data)
     if not folder.is_dir():
-        raise FileNotFoundError(f"--data {data!r} is not a folder of images.")
+        raise UserError(f"--data {data!r} is not a folder of images.")
     listing = folder / "questions.jsonl"
-    if listing.is_file():
-        rows = [json.loads(line) for line in listing.read_text().splitlines() if line.strip()]
-        pairs = [(folder / row["image"], row.get("question", DEFAULT_QUESTION)) for row in rows]
-    else:
-        files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg"))
-        pairs = [(p, DEFAULT_QUESTION) for p in files]
+    pairs = _listed_pairs(folder, listing) if listing.is_file() else [
+        (p, DEFAULT_QUESTION) for p in sorted(folder.iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg")]
     if not pairs:
-        raise ValueError(f"--data {data!r} holds no images (png / jpg) and no questions.jsonl.")
-    return [(Image.open(path).convert("RGB"), question) for path, question in pairs[:n]]
+        raise UserError(f"--data {data!r} holds no images (png / jpg) and no questions.jsonl.")
+    return [(open_image(path), question) for path, question in pairs[:n]]
+
+
+def _listed_pairs(folder: Path, listing: Path) -> list[tuple[Path, str]]:
+    """``(image path, question)`` rows of ``questions.jsonl``; :class:`UserError` naming the line otherwise."""
+    pairs = []
+    for number, line in enumerate(listing.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{listing} line {number} is not valid JSON ({error.msg}).") from error
+        image, question = (row.get("image"), row.get("question", DEFAULT_QUESTION)) if isinstance(row, dict) else (None, None)
+        if not isinstance(image, str) or not image or not isinstance(question, str) or not question.strip():
+            raise UserError(f"{listing} line {number}: each row needs \"image\" (a path relative to the folder) and "
+                            f"an optional non-empty \"question\" string, got {line.strip()[:120]!r}.")
+        pairs.append((folder / image, question))
+    return pairs
 
 
 class Recorder(Method):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+
+from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range
+from vtprune.errors import UserError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,32 +22,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default=None, help="folder / hub id, 'embedded:llava' (default), 'tiny:<type>'")
     parser.add_argument("--data", default=None,
                         help="folder of images (+ optional questions.jsonl); default: the vtprune-shapes calib split")
-    parser.add_argument("--n", type=int, default=256, help="number of calibration prompts (default 256)")
+    parser.add_argument("--n", type=int_range(1, 1_000_000), default=256, help="number of calibration prompts (default 256)")
     parser.add_argument("--method", default="fastv", help="host whose attention is fitted: fastv, pdrop, transprune")
-    parser.add_argument("--layer", type=int, action="append", default=None,
+    parser.add_argument("--layer", type=int_range(1), action="append", default=None,
                         help="host pruning layer K (repeatable; default: the host's default stage layers)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--bins", type=int, default=32, help="bins of the stored mean curve")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=16)
+    parser.add_argument("--bins", type=int_range(1, 10_000), default=32, help="bins of the stored mean curve")
     parser.add_argument("--out", required=True, help="output JSON; a PNG plot is written next to it")
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     parser.add_argument("--device", default=None)
     parser.set_defaults(func=command_calibrate)
 
 
 def command_calibrate(args: argparse.Namespace) -> int:
-    from vtprune.eval.calibrate import calibrate, calibration_items, plot
+    from vtprune.eval.calibrate import HOST_QUERIES, calibrate, calibration_items, plot
 
-    from vtprune.loading import load, model_label
+    from vtprune.loading import check_device, check_model_spec, load, model_label
 
-    if args.n < 1:
-        raise ValueError(f"--n must be >= 1, got {args.n}.")
     method = args.method.split("+")[0]
+    if method not in HOST_QUERIES:
+        raise UserError(f"--method {args.method!r}: calibration covers the attention hosts {', '.join(HOST_QUERIES)}.")
+    out = check_output_file(args.out)
+    if out.suffix.lower() == ".png":
+        raise UserError(f"--out {args.out!r}: the plot is written next to the JSON as .png; give a .json path.")
+    check_output_file(out.with_suffix(".png"), "--out (its PNG plot)")
+    check_model_spec(args.model)
+    check_device(args.device)
+    items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
     model, processor = load(args.model, args.attn, args.dtype, args.device)
-    items = calibration_items(args.data, args.n)
     result = calibrate(model, processor, items, method, args.layer, args.batch_size, args.bins,
                        model_name=model_label(args.model))
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     image = plot(result, out.with_suffix(".png"))

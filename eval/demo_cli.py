@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from vtprune.cli_checks import int_range
+
 DEMOS_DIR = Path(__file__).resolve().parent.parent / "demos"
 
 
@@ -47,8 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="launch the Gradio demo (pruned vs unpruned, side by side)")
     demo.add_argument("--model", default=None,
                       help="folder or hub id; 'embedded:llava' (default), 'embedded:qwen2_vl', 'tiny:<type>'")
-    demo.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1, this machine only)")
-    demo.add_argument("--port", type=int, default=7860, help="port (default 7860)")
+    demo.add_argument("--host", default="127.0.0.1",
+                      help="interface to bind (default 127.0.0.1, this machine only; the demo has no authentication)")
+    demo.add_argument("--port", type=int_range(1, 65535), default=7860, help="port (default 7860)")
     demo.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     demo.set_defaults(func=command_demo)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
 
 
 def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
@@ -133,29 +134,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("tune", help="optimise a method's hyperparameters under an average-retention budget")
     parser.add_argument("--model", default=None, help="folder / hub id, 'embedded:llava' (default), 'tiny:<type>'")
     parser.add_argument("--method", default="vflowopt", help="method to tune (any; 'fastv+debias' ok)")
-    parser.add_argument("--budget", type=float, default=0.25,
-                        help="average fraction of visual tokens over the decoder layers (VFlowOpt's R̄)")
-    parser.add_argument("--trials", type=int, default=50)
-    parser.add_argument("--n-samples", type=int, default=30, help="calibration prompts (default 30)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--budget", type=keep_fraction, default=0.25,
+                        help="average fraction of visual tokens over the decoder layers (VFlowOpt's R̄), in (0, 1]")
+    parser.add_argument("--trials", type=int_range(1, 100_000), default=50)
+    parser.add_argument("--n-samples", type=int_range(1, 100_000), default=30, help="calibration prompts (default 30)")
+    parser.add_argument("--seed", type=int_range(0), default=0)
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32)
     parser.add_argument("--out", required=True, help="output JSON (use it with `vtprune run --config FILE`)")
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     parser.add_argument("--device", default=None)
     parser.set_defaults(func=command_tune)
 
 
 def command_tune(args: argparse.Namespace) -> int:
     import vtprune
-    from vtprune.loading import load, model_label
+    from vtprune.cli_options import Pruning, check_pruning
+    from vtprune.loading import check_device, check_model_spec, load, model_label
 
+    out = check_output_file(args.out)
+    check_model_spec(args.model)
+    check_device(args.device)
+    check_pruning(Pruning(args.method, args.budget))
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     result = tune(model, processor, args.method, args.budget, args.trials, args.n_samples, args.seed,
                   batch_size=args.batch_size)
     result.update({"model": model_label(args.model), "vtprune_version": vtprune.__version__,
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['method']} at budget {args.budget}: objective {result['objective']:.4f} "

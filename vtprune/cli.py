@@ -8,7 +8,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+
+from vtprune.cli_checks import int_range
+from vtprune.cli_options import add_pruning_arguments, effective_keep, effective_stages, pruning_choice
+from vtprune.errors import UserError
+
+MAX_SAMPLE = 9_999
+OPTIONAL_PACKAGES = {"optuna": "bench", "matplotlib": "bench", "gradio": "demo", "av": "video", "decord": "video",
+                     "cv2": "video", "lmms_eval": "eval", "accelerate": "eval"}
 
 COMMAND_MODULES = (
     "vtprune.cli",
@@ -19,41 +28,18 @@ COMMAND_MODULES = (
 )
 
 
-def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every command that prunes shares (model, method, keep, schedule, attention)."""
-    parser.add_argument("--model", default=None,
-                        help="folder or hub id; default 'embedded:llava' (images) or 'embedded:qwen2_vl' (--video); 'tiny:<type>'")
-    parser.add_argument("--method", default="fastv", help="pruning method (see `vtprune info`); 'fastv+debias' ok")
-    parser.add_argument("--keep", type=float, default=0.25, help="fraction of visual tokens kept, in (0, 1]")
-    parser.add_argument("--layer", type=int, default=None, help="single pruning layer K (layers >= K pruned)")
-    parser.add_argument("--schedule", default=None, help="progressive stages, e.g. '2:0.5,8:0.25'")
-    parser.add_argument("--config", default=None, help="method configuration file (from `vtprune tune`)")
-    parser.add_argument("--debias", default=None,
-                        help="debias attention scores: 'true' (model calibration or default trend) or a file")
-    parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa (default), eager, flash_attention_2")
-    parser.add_argument("--dtype", default="float32", help="float32, float16, bfloat16")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-
-
 def wrap_options(args: argparse.Namespace) -> dict:
-    """Keyword arguments for :func:`vtprune.wrap` from parsed pruning arguments."""
-    options = {"layer": args.layer, "schedule": args.schedule}
-    debias = getattr(args, "debias", None)
-    if debias is not None:
-        options["debias"] = True if debias.lower() in ("true", "1", "yes") else debias
-    if getattr(args, "config", None):
-        from vtprune.methods import load_method_config
-
-        options.update(load_method_config(args.config))
-    return {k: v for k, v in options.items() if v is not None}
+    """Keyword options for :func:`vtprune.wrap` from parsed pruning arguments (``--config`` merged in)."""
+    return pruning_choice(args).options
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     run = subparsers.add_parser("run", help="answer a question about an image with pruning")
     run.add_argument("--image", default=None, help="image path (default: a generated vtprune-shapes sample)")
     run.add_argument("--question", default=None, help="question (default: the sample's question)")
-    run.add_argument("--sample", type=int, default=0, help="index of the generated sample when no --image")
-    run.add_argument("--max-new-tokens", type=int, default=8)
+    run.add_argument("--sample", type=int_range(0, MAX_SAMPLE), default=0,
+                     help=f"index of the generated test sample when no --image (0..{MAX_SAMPLE})")
+    run.add_argument("--max-new-tokens", type=int_range(1, 4096), default=8)
     run.add_argument("--json", action="store_true", help="print one JSON object")
     add_pruning_arguments(run)
     from vtprune.video_cli import add_video_arguments
@@ -67,44 +53,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _sample(index: int):
     from vtprune.eval.shapes import make_split
 
-    sample = make_split("test", index + 1)[index]
+    sample = make_split("test", 1, offset=index)[0]  # sample `index` of the split, generated alone
     question = sample.questions[0]
     return sample.image, question.text, question.answer
 
 
+def _question(args: argparse.Namespace, default: str) -> str:
+    if args.question is not None and not args.question.strip():
+        raise UserError("--question is empty; ask something, e.g. --question 'What color is the circle?'.")
+    return args.question or default
+
+
 def command_run(args: argparse.Namespace) -> int:
-    if getattr(args, "video", None):
+    if args.image is not None and getattr(args, "video", None) is not None:
+        raise UserError("give either --image or --video, not both.")
+    if getattr(args, "video", None) is not None:
         from vtprune.video_cli import command_run_video
 
         return command_run_video(args)
-    import vtprune
-    from vtprune.loading import load, model_label
-    from vtprune.pipeline import answer_questions
+    from vtprune.images import crop_note, open_image
+    from vtprune.loading import check_device, check_model_spec
 
+    check_model_spec(args.model)
+    check_device(args.device)
+    pruning = pruning_choice(args)
     expected = None
     if args.image is None:
         image, question, expected = _sample(args.sample)
-        question = args.question or question
+        question = _question(args, question)
     else:
-        from PIL import Image
-
-        image = Image.open(args.image).convert("RGB")
-        question = args.question or "What is in the image?"
-    model, processor = load(args.model, args.attn, args.dtype, args.device)
-    handle = vtprune.wrap(model, args.method, keep=args.keep, **wrap_options(args))
-    try:
-        result = answer_questions(model, processor, [image], [question], handle, args.max_new_tokens,
-                                  timing_repeats=3)[0]
-    finally:
-        handle.remove()
-    record = {"answer": result.answer, "method": args.method, "keep": args.keep,
-              "visual_tokens": result.visual_tokens,
-              "kept_tokens": result.kept_tokens[-1] if result.kept_tokens else result.visual_tokens,
-              "kept_per_stage": result.kept_tokens, "stage_layers": result.stage_layers,
-              "kept_indices": result.kept_indices, "prefill_ms": round(result.prefill_ms, 3),
-              "generate_ms": round(result.generate_ms, 3), "question": question,
-              "model": model_label(args.model), "attn_implementation": args.attn, "dtype": args.dtype,
-              "device": str(next(model.parameters()).device)}
+        image = open_image(args.image)
+        question = _question(args, "What is in the image?")
+    record, processor = _answer(args, pruning, image, question)
+    note = crop_note(processor, image.size)
+    record["notes"] = pruning.notes + ([note] if note else [])
     if expected is not None:
         record["expected"] = expected
     if args.json:
@@ -112,6 +94,30 @@ def command_run(args: argparse.Namespace) -> int:
         return 0
     _print_run(record)
     return 0
+
+
+def _answer(args: argparse.Namespace, pruning, image, question: str) -> tuple[dict, object]:
+    """Load, wrap, answer: the run's record and the model's processor."""
+    import vtprune
+    from vtprune.loading import load, model_label
+    from vtprune.pipeline import answer_questions
+
+    model, processor = load(args.model, args.attn, args.dtype, args.device)
+    handle = vtprune.wrap(model, pruning.method, keep=pruning.keep, **pruning.options)
+    try:
+        result = answer_questions(model, processor, [image], [question], handle, args.max_new_tokens,
+                                  timing_repeats=3)[0]
+    finally:
+        handle.remove()
+    return {"answer": result.answer, "method": pruning.method, "keep": effective_keep(handle),
+            "requested_keep": pruning.keep, "stages": effective_stages(handle),
+            "visual_tokens": result.visual_tokens,
+            "kept_tokens": result.kept_tokens[-1] if result.kept_tokens else result.visual_tokens,
+            "kept_per_stage": result.kept_tokens, "stage_layers": result.stage_layers,
+            "kept_indices": result.kept_indices, "prefill_ms": round(result.prefill_ms, 3),
+            "generate_ms": round(result.generate_ms, 3), "question": question,
+            "model": model_label(args.model), "attn_implementation": args.attn, "dtype": args.dtype,
+            "device": str(next(model.parameters()).device)}, processor
 
 
 def _print_run(record: dict) -> None:
@@ -122,6 +128,8 @@ def _print_run(record: dict) -> None:
     print(f"method    {record['method']} keep={record['keep']}")
     print(f"visual    {record['visual_tokens']} tokens -> {record['kept_tokens']} kept ({stages or 'no stage'})")
     print(f"prefill   {record['prefill_ms']:.2f} ms (median of 3, after warm-up)")
+    for note in record.get("notes", []):
+        print(f"note      {note}")
 
 
 def command_info(args: argparse.Namespace) -> int:
@@ -159,12 +167,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; bad user input is one ``vtprune: error: ...`` line and exit status 2 (bugs keep tracebacks).
+
+    Set ``VTPRUNE_TRACEBACK=1`` to see the traceback of a user error too.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"vtprune: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("vtprune: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        message = user_error_message(error)
+        if message is None or os.environ.get("VTPRUNE_TRACEBACK"):
+            raise
+        print(f"vtprune: error: {message}", file=sys.stderr)
         return 2
+
+
+def user_error_message(error: BaseException) -> str | None:
+    """The one-line message for an error caused by user input, or None for a bug (keep its traceback).
+
+    User errors: :class:`UserError`; missing / unreadable paths; a missing optional package; a ``ValueError``
+    raised by vtprune's own checks (wrap-time option validation).
+    """
+    if isinstance(error, UserError):
+        return str(error)
+    if isinstance(error, FileNotFoundError | IsADirectoryError | NotADirectoryError | PermissionError):
+        return str(error)
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in OPTIONAL_PACKAGES:
+        package = error.name.split(".")[0]
+        return (f"this command needs the optional package {package!r}: pip install "
+                f"'vtprune[{OPTIONAL_PACKAGES[package]}]'.")
+    if isinstance(error, ValueError) and _raised_by_vtprune(error):
+        return str(error)
+    return None
+
+
+def _raised_by_vtprune(error: BaseException) -> bool:
+    """Was ``error`` raised by a vtprune module (its own validation), not by torch / transformers?"""
+    traceback = error.__traceback__
+    module = ""
+    while traceback is not None:
+        module = traceback.tb_frame.f_globals.get("__name__", "")
+        traceback = traceback.tb_next
+    return module == "vtprune" or module.startswith("vtprune.")
 
 
 if __name__ == "__main__":

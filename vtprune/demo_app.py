@@ -19,13 +19,14 @@ import torch
 from PIL import Image, ImageOps
 
 import vtprune
+from vtprune.errors import UserError
 from vtprune.flops import LMShape, kv_cache_bytes, prefill_flops, tokens_per_layer
-from vtprune.pipeline import answer_questions, build_inputs
+from vtprune.images import MAX_IMAGE_PIXELS, crop_note, open_image
+from vtprune.pipeline import answer_questions, build_inputs, check_prompt_length
 
 EXAMPLES_DIR = Path(tempfile.gettempdir()) / "vtprune-demo" / "examples"
 EXAMPLE_IMAGES = 4
 MAX_UPLOAD_MB = 50
-MAX_IMAGE_PIXELS = 4096 * 4096
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".avi", ".mkv", ".m4v")
 
@@ -50,6 +51,8 @@ def check_upload(path: str | Path, roots: list[str | Path], max_mb: float = MAX_
     if not file.is_file():
         raise UploadError("the uploaded file is gone; upload it again.")
     size_mb = file.stat().st_size / 2**20
+    if file.stat().st_size == 0:
+        raise UploadError(f"{file.name} is empty (0 bytes); upload the file again.")
     if size_mb > max_mb:
         raise UploadError(f"{file.name} is {size_mb:.1f} MB; the demo accepts files up to {max_mb:g} MB.")
     suffix = file.suffix.lower()
@@ -57,6 +60,7 @@ def check_upload(path: str | Path, roots: list[str | Path], max_mb: float = MAX_
         _check_image(file)
         return "image"
     if suffix in VIDEO_SUFFIXES:
+        _check_video(file)
         return "video"
     raise UploadError(f"{file.name} is not an image or a video; upload a picture "
                       f"({', '.join(s[1:] for s in IMAGE_SUFFIXES[:4])}, ...) or a video "
@@ -73,12 +77,33 @@ def _check_image(file: Path) -> None:
     if width * height > MAX_IMAGE_PIXELS:
         raise UploadError(f"{file.name} is {width}x{height} pixels; the demo accepts up to "
                           f"{MAX_IMAGE_PIXELS / 1e6:.1f} megapixels.")
+    try:
+        open_image(file)  # decodes every pixel: a truncated file fails here, not in the model run
+    except UserError as error:
+        raise UploadError(f"{file.name} is not a readable image (truncated or corrupt).") from error
+
+
+def _check_video(file: Path) -> None:
+    """A file with a video suffix must hold a decodable video stream within the decoding limits."""
+    try:
+        from vtprune.video_io import probe
+    except ImportError:  # no video support: the run says so (VideoUnavailable)
+        return
+    try:
+        info = probe(file)
+    except UserError as error:
+        raise UploadError(str(error).replace(repr(str(file)), file.name)) from error
+    except ImportError:
+        return
+    except Exception as error:  # av.error.* (not a video container)
+        raise UploadError(f"{file.name} is not a readable video (its data is not a video container).") from error
+    if not info.width:
+        raise UploadError(f"{file.name} holds no video stream; upload a video (mp4, webm, mov, ...).")
 
 
 def load_image(path: str | Path) -> Image.Image:
-    """The (already checked) image file as RGB."""
-    with Image.open(path) as image:
-        return image.convert("RGB")
+    """The (already checked) image file as upright 8-bit RGB (EXIF orientation applied, 16-bit scaled)."""
+    return open_image(path)
 
 
 @dataclass
@@ -117,6 +142,7 @@ class Comparison:
     scores: np.ndarray | None = None
     stage_layer: int | None = None
     score_layer: int | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def speedup(self) -> float:
@@ -236,6 +262,7 @@ class DemoRunner:
     def compare(self, image: Image.Image, question: str, method: str, keep: float,
                 debias: bool = False) -> Comparison:
         """Answer ``question`` unpruned and pruned by ``method`` at ``keep``; ``ValueError`` on bad settings."""
+        note = crop_note(self.processor, image.size)
         image = model_view(image, self.processor)
         with self.lock:
             text_tokens, visual, grid = self._layout(image, question)
@@ -250,7 +277,7 @@ class DemoRunner:
                 handle.remove()
         pruned.recycled = sorted({i for ids in recorder.merged.values() for i in ids})
         pruned.merged = sorted(set(pruned.recycled) & set(pruned.kept_indices))
-        result = Comparison(image=image, grid=grid, full=full, pruned=pruned)
+        result = Comparison(image=image, grid=grid, full=full, pruned=pruned, notes=[note] if note else [])
         if recorder.scores:
             stage = min(recorder.scores)
             result.scores, result.stage_layer = recorder.scores[stage], stage
@@ -269,7 +296,11 @@ class DemoRunner:
         except ImportError as error:
             raise VideoUnavailable(f"video support not installed ({error}); install vtprune[video] and a "
                                    "vtprune version with GridProbe (vtprune.gridprobe_run).") from error
-        clip = load_video(path, num_frames=k * k)
+        self._check_question(question)
+        try:
+            clip = load_video(path, num_frames=k * k)
+        except (ValueError, FileNotFoundError) as error:  # not decodable, over the limits: a bad file, not a method
+            raise UploadError(f"{Path(path).name} is not a usable video: {error}") from error
         options = {"debias": True} if debias else {}
         token_method = None if method == "none" else method
         with self.lock:
@@ -284,6 +315,7 @@ class DemoRunner:
         from vtprune.adapters import get_adapter
 
         inputs = build_inputs(self.processor, [image], [question], self.model_type)
+        check_prompt_length(self.model, inputs["input_ids"], self.max_new_tokens, what="the question's prompt")
         adapter = get_adapter(self.model)
         visual = int(adapter.visual_mask(inputs["input_ids"]).sum())
         segments = adapter.segments(inputs["input_ids"], inputs)[0]
@@ -291,6 +323,13 @@ class DemoRunner:
         if len(segments) == 1 and segments[0].t == 1 and segments[0].extra == 0 and segments[0].h > 1:
             grid = (segments[0].h, segments[0].w)
         return int(inputs["input_ids"].shape[1]) - visual, visual, grid
+
+    def _check_question(self, question: str) -> None:
+        """Refuse a question that alone (without any frame) would not fit the model's context."""
+        tokenizer = getattr(self.processor, "tokenizer", None)
+        if tokenizer is not None:
+            ids = tokenizer(question, return_tensors="pt")["input_ids"]
+            check_prompt_length(self.model, ids, self.max_new_tokens, what="the question")
 
     def _run(self, image: Image.Image, question: str, handle: Any, text_tokens: int) -> RunResult:
         answer = answer_questions(self.model, self.processor, [image], [question], handle,

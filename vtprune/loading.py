@@ -15,18 +15,97 @@ from typing import Any
 
 import torch
 
+from vtprune.errors import UserError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
 
 
 def resolve_model(spec: str | None) -> str:
     """The folder / hub id / ``tiny:`` spec that ``spec`` names (the embedded LLaVA by default)."""
-    from vtprune.embedded import embedded_model_path
+    from vtprune.embedded import EMBEDDED_MODELS, embedded_model_path
 
     if spec in (None, "", "embedded"):
         return str(embedded_model_path("llava"))
     if spec.startswith("embedded:"):
-        return str(embedded_model_path(spec.split(":", 1)[1]))
+        name = spec.split(":", 1)[1]
+        if name not in EMBEDDED_MODELS:
+            raise UserError(f"--model {spec!r}: no embedded model {name!r}; choose "
+                            f"{', '.join('embedded:' + n for n in EMBEDDED_MODELS)}.")
+        return str(embedded_model_path(name))
     return spec
+
+
+def check_model_spec(spec: str | None) -> str:
+    """``resolve_model(spec)``, refusing (before any loading) a spec that cannot name a loadable model.
+
+    A ``tiny:`` type must exist; a path that exists must be a model folder (with ``config.json``); a value
+    that looks like a path but does not exist is refused; a hub id must be in the local cache when the hub is
+    offline (``HF_HUB_OFFLINE=1``), so nothing waits on network retries.
+    """
+    from vtprune.testing import TINY_TYPES
+
+    target = resolve_model(spec)
+    if target.startswith("tiny:"):
+        if target.split(":", 1)[1] not in TINY_TYPES:
+            raise UserError(f"--model {spec!r}: no tiny model of that type; choose one of "
+                            f"{', '.join('tiny:' + t for t in TINY_TYPES)}.")
+        return target
+    path = Path(target).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {spec!r} is not a model folder (no config.json in it); give a folder saved "
+                            "with save_pretrained, a hub id, 'embedded:llava' or 'tiny:<type>'.")
+        return str(path)
+    if _looks_like_path(target) or not _is_hub_id(target):
+        raise UserError(f"--model {spec!r}: no such folder, and not a hub id of the form ORG/NAME; give a model "
+                        "folder, a hub id (e.g. llava-hf/llava-1.5-7b-hf), 'embedded:llava' or 'tiny:<type>'.")
+    if _hub_offline() and not _cached(target):
+        raise UserError(f"--model {target!r} is not in the local Hugging Face cache and the hub is offline "
+                        "(HF_HUB_OFFLINE=1); download it first (unset HF_HUB_OFFLINE) or give a local folder.")
+    return target
+
+
+def _looks_like_path(target: str) -> bool:
+    return target.startswith((".", "/", "~")) or "\\" in target or target.count("/") > 1 or target.endswith("/")
+
+
+def _is_hub_id(target: str) -> bool:
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.\-]{0,95}(/[A-Za-z0-9][\w.\-]{0,95})?", target) is not None
+
+
+def _hub_offline() -> bool:
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def check_device(device: str | None) -> str:
+    """The device to load on (CUDA when available by default); refuse one this machine does not have."""
+    if device in (None, ""):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "auto":
+        return device
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N.") from error
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {device!r}: CUDA is not available here (torch {torch.__version__}, no GPU "
+                            "visible); use --device cpu or leave --device out.")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise UserError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) are visible.")
+    elif parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device!r}: MPS is not available here; use --device cpu.")
+    return device
 
 
 def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str = "float32",
@@ -35,18 +114,27 @@ def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str 
     from vtprune.testing import tiny_model
 
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = resolve_model(spec)
+        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    device = check_device(device)
+    target = check_model_spec(spec)
     if target.startswith("tiny:"):
         model, processor = tiny_model(target.split(":", 1)[1], attn_implementation)
         return model.to(device), processor
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(
-        target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device
-    ).eval()
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device
+        ).eval()
+    except (OSError, ValueError, KeyError) as error:
+        raise UserError(f"--model {spec!r} could not be loaded as a vision-language model "
+                        f"({type(error).__name__}: {_first_line(error)}).") from error
     return model, load_processor(target)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]
 
 
 def load_processor(path: str) -> Any:

@@ -25,17 +25,15 @@ def register_method(cls: type[Method]) -> type[Method]:
 
 
 def load_method_config(path: str) -> dict[str, Any]:
-    """Options saved by ``vtprune tune`` (a JSON object of :func:`vtprune.wrap` keyword arguments)."""
-    import json
-    from pathlib import Path
+    """Options saved by ``vtprune tune`` (a JSON object of :func:`vtprune.wrap` keyword arguments), validated.
 
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"method config {path!r} does not exist; create it with `vtprune tune ... --out FILE`.")
-    config = json.loads(file.read_text())
-    if not isinstance(config, dict):
-        raise ValueError(f"method config {path!r} must hold a JSON object of wrap() options, got {type(config).__name__}.")
-    return config.get("wrap_options", config)
+    Wrong types, non-finite numbers, bad keep fractions / schedules and options the file's method does not
+    take raise :class:`vtprune.errors.UserError` naming the file and the field, at load time. The file's
+    ``method`` is not among the returned options: :func:`vtprune.method_config.read_method_config` gives it.
+    """
+    from vtprune.method_config import read_method_config
+
+    return read_method_config(path).options
 
 
 def list_methods() -> list[str]:

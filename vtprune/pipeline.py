@@ -43,6 +43,40 @@ def build_inputs(processor: Any, images: list[Image.Image], questions: list[str]
     return dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
 
 
+def context_limit(model: Any) -> int | None:
+    """``max_position_embeddings`` of the language model (text config), None when the config has none."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    limit = getattr(text, "max_position_embeddings", None)
+    return int(limit) if limit else None
+
+
+def check_prompt_length(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 0, what: str = "the prompt",
+                        warn_at: float = 0.9) -> None:
+    """Refuse a prompt that, with ``max_new_tokens`` generated, runs past the model's context; warn near it.
+
+    ``input_ids`` is the (padded) ``[B, T]`` batch; the check is on ``T + max_new_tokens`` against the text
+    config's ``max_position_embeddings`` (positions beyond it were never trained: answers degrade silently).
+    """
+    limit = context_limit(model)
+    if limit is None:
+        return
+    length = int(input_ids.shape[-1]) + int(max_new_tokens)
+    if length > limit:
+        from vtprune.errors import UserError
+
+        raise UserError(
+            f"{what} is {int(input_ids.shape[-1])} tokens; with {max_new_tokens} new tokens that is {length}, past "
+            f"the model's context of {limit} positions (max_position_embeddings). Shorten the question (or ask "
+            "for fewer new tokens / frames)."
+        )
+    if length > warn_at * limit:
+        import warnings
+
+        warnings.warn(f"{what} uses {length} of the model's {limit} positions (with the new tokens); "
+                      "longer inputs will be refused.", stacklevel=2)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -69,6 +103,7 @@ def answer_questions(model: Any, processor: Any, images: list[Image.Image], ques
     device = next(model.parameters()).device
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
               for k, v in build_inputs(processor, images, questions, model.config.model_type).items()}
+    check_prompt_length(model, inputs["input_ids"], max_new_tokens)
     prefill = prefill_ms(model, inputs, timing_repeats) if timing_repeats else float("nan")
     _sync(device)
     start = time.perf_counter()

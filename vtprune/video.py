@@ -33,6 +33,19 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from vtprune.errors import UserError
+from vtprune.video_io import (
+    StreamInfo,
+    check_frame_count,
+    count_frames,
+    decode_pyav,
+    decode_size,
+    frame_pixel_cap,
+    probe,
+    read_decord,
+    uniform_indices,
+)
+
 MIN_SIDE = 28
 MAX_ASPECT = 200.0
 ROUTES = ("auto", "video", "images")
@@ -70,17 +83,6 @@ class ZeroLengthError(ValueError):
     """The file holds a video stream without any decodable frame (or no video stream at all)."""
 
 
-def uniform_indices(total: int, n: int) -> list[int]:
-    """``round(linspace(0, total - 1, n))`` without duplicates; all frames when ``n >= total``."""
-    if total <= 0:
-        return []
-    if n >= total:
-        return list(range(total))
-    if n <= 1:
-        return [0]
-    return sorted({int(i) for i in np.round(np.linspace(0, total - 1, n))})
-
-
 def clip_from_frames(frames: list[Image.Image] | np.ndarray, fps: float = 1.0) -> VideoClip:
     """A :class:`VideoClip` from in-memory frames (PIL images or a ``[T, H, W, 3]`` uint8 array)."""
     images = [fit_frame(f if isinstance(f, Image.Image) else Image.fromarray(np.asarray(f))) for f in frames]
@@ -90,38 +92,68 @@ def clip_from_frames(frames: list[Image.Image] | np.ndarray, fps: float = 1.0) -
                      len(images), len(images) / fps)
 
 
-def load_video(path: str | Path, num_frames: int = 8, backend: str = "auto") -> VideoClip:
+def load_video(path: str | Path, num_frames: int = 8, backend: str = "auto",
+               max_pixels: int | None = None) -> VideoClip:
     """Read ``num_frames`` uniformly sampled frames of ``path`` with ``backend`` (``auto``/``decord``/``pyav``).
 
-    ``auto`` tries decord and falls back to PyAV when decord is not installed or cannot read the file.
+    ``auto`` tries decord and falls back to PyAV when decord is not installed or cannot read the file; clips
+    with rotation metadata are read with PyAV (see :mod:`vtprune.video_io`). Frames are decoded at most at
+    ``max_pixels`` pixels (default :data:`~vtprune.video_io.MAX_FRAME_PIXELS`, within the clip budget).
     Fewer frames than ``num_frames`` are returned when the video is shorter (all of its frames).
     """
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"video {str(path)!r} does not exist.")
-    if file.stat().st_size == 0:
-        raise ValueError(f"video {str(path)!r} is empty (0 bytes).")
-    if num_frames < 1:
-        raise ValueError(f"num_frames must be >= 1, got {num_frames}.")
+    file = _check_video_file(path)
+    check_frame_count(num_frames)
     if backend not in ("auto", "decord", "pyav"):
         raise ValueError(f"backend must be 'auto', 'decord' or 'pyav', got {backend!r}.")
-    errors = []
-    if backend in ("auto", "decord"):
+    info = _probe(file)
+    cap = frame_pixel_cap(num_frames, max_pixels)
+    errors, notes = [], []
+    if info.rotation:
+        notes.append(f"the clip is rotated {info.rotation} degrees (display matrix): read upright with PyAV")
+    elif backend in ("auto", "decord"):
         try:
-            return _read_decord(file, num_frames)
+            return _read_decord(file, num_frames, info, cap)
         except Exception as error:  # ImportError, RuntimeError, decord.DECORDError (an Exception subclass)
             if backend == "decord":
                 raise ValueError(f"decord cannot read video {str(path)!r}: {_first_line(error)}") from error
             errors.append(f"decord: {_first_line(error)}")
     try:
-        clip = _read_pyav(file, num_frames)
-    except ZeroLengthError:
+        clip = _read_pyav(file, num_frames, info, cap)
+    except (ZeroLengthError, UserError):
         raise
     except Exception as error:  # PyAV raises av.error.* (OSError / ValueError subclasses) and more
         errors.append(f"PyAV: {_first_line(error)}")
         raise ValueError(f"cannot decode video {str(path)!r} ({'; '.join(errors)}).") from error
-    clip.notes.extend(f"decord failed, read with PyAV ({e})" for e in errors)
+    clip.notes.extend(notes + [f"decord failed, read with PyAV ({e})" for e in errors])
     return clip
+
+
+def _check_video_file(path: str | Path) -> Path:
+    file = Path(path)
+    if not file.exists():
+        raise FileNotFoundError(f"video {str(path)!r} does not exist.")
+    if file.is_dir():
+        raise UserError(f"video {str(path)!r} is a folder; give the path of one video file.")
+    if file.stat().st_size == 0:
+        raise UserError(f"video {str(path)!r} is empty (0 bytes).")
+    return file
+
+
+def _probe(file: Path) -> StreamInfo:
+    """:func:`vtprune.video_io.probe`, its failures as ``ValueError`` ("cannot decode") or :class:`UserError`."""
+    try:
+        info = probe(file)
+    except UserError:
+        raise
+    except ImportError as error:
+        raise UserError(f"video input needs PyAV ({error}); pip install 'vtprune[video]'.") from error
+    except Exception as error:  # av.error.* for data that is not a video
+        raise ValueError(f"cannot decode video {str(file)!r} (PyAV: {_first_line(error)}).") from error
+    width, height = info.display_size
+    if width and height and max(width, height) / min(width, height) > MAX_ASPECT:
+        raise UserError(f"video {str(file)!r} is {width}x{height}, an aspect ratio above {MAX_ASPECT:g}:1, which "
+                        "vision processors refuse; crop the video first.")
+    return info
 
 
 def _first_line(error: BaseException) -> str:
@@ -129,68 +161,27 @@ def _first_line(error: BaseException) -> str:
     return (text[0] if text else type(error).__name__)[:200]
 
 
-def _read_decord(file: Path, num_frames: int) -> VideoClip:
-    import decord
-
-    reader = decord.VideoReader(str(file), ctx=decord.cpu(0))
-    total = len(reader)
-    if total == 0:
-        raise ValueError("decord found no frames")
-    indices = uniform_indices(total, num_frames)
-    batch = reader.get_batch(indices).asnumpy()
-    times = [float(t) for t in reader.get_frame_timestamp(indices)[:, 0]]
-    fps = float(reader.get_avg_fps() or 0.0)
+def _read_decord(file: Path, num_frames: int, info: StreamInfo, max_pixels: int) -> VideoClip:
+    size = decode_size(*info.display_size, max_pixels) if info.width else (-1, -1)
+    frames, indices, times, fps, total = read_decord(file, num_frames, size)
     duration = total / fps if fps > 0 else (times[-1] if times else 0.0)
-    frames = [fit_frame(Image.fromarray(frame)) for frame in batch]
-    return VideoClip(frames, indices, times, fps, total, duration, "decord", str(file))
+    return VideoClip([fit_frame(f) for f in frames], indices, times, fps, total, duration, "decord", str(file))
 
 
-def _read_pyav(file: Path, num_frames: int) -> VideoClip:
-    import av
-
-    with av.open(str(file)) as container:
-        if not container.streams.video:
-            raise ZeroLengthError(f"video {str(file)!r} has no video stream.")
-        stream = container.streams.video[0]
-        fps = float(stream.average_rate or 0.0)
-        claimed = int(stream.frames or 0)
-    total = claimed or _count_frames(file)
-    clip = _decode_indices(file, uniform_indices(total, num_frames), fps)
-    if clip is None:  # the container's frame count was wrong: count by decoding, then sample again
-        total = _count_frames(file)
-        clip = _decode_indices(file, uniform_indices(total, num_frames), fps)
-    if clip is None or not clip.frames:
+def _read_pyav(file: Path, num_frames: int, info: StreamInfo, max_pixels: int) -> VideoClip:
+    if not info.width and not info.frames:
+        raise ZeroLengthError(f"video {str(file)!r} has no video stream.")
+    total = info.frames or count_frames(file)
+    decoded = decode_pyav(file, uniform_indices(total, num_frames), info.fps, max_pixels)
+    if decoded is None:  # the container's frame count was wrong: count by decoding, then sample again
+        total = count_frames(file)
+        decoded = decode_pyav(file, uniform_indices(total, num_frames), info.fps, max_pixels)
+    if decoded is None or not decoded[0]:
         raise ZeroLengthError(f"video {str(file)!r} has a video stream without decodable frames (zero length).")
-    clip.total_frames = total
-    clip.duration = total / fps if fps > 0 else clip.times[-1]
-    return clip
-
-
-def _count_frames(file: Path) -> int:
-    import av
-
-    with av.open(str(file)) as container:
-        return sum(1 for _ in container.decode(video=0))
-
-
-def _decode_indices(file: Path, indices: list[int], fps: float) -> VideoClip | None:
-    """Decode sequentially, keeping ``indices``; None if the stream ends before the last wanted frame."""
-    import av
-
-    wanted, frames, times = set(indices), [], []
-    if not wanted:
-        return None
-    last = max(wanted)
-    with av.open(str(file)) as container:
-        for number, frame in enumerate(container.decode(video=0)):
-            if number in wanted:
-                frames.append(fit_frame(frame.to_image().convert("RGB")))
-                times.append(float(frame.time) if frame.time is not None else number / max(fps, 1e-9))
-            if number >= last:
-                break
-    if len(frames) < len(indices):
-        return None
-    return VideoClip(frames, list(indices), times, fps, 0, 0.0, "pyav", str(file))
+    frames, times = decoded
+    duration = total / info.fps if info.fps > 0 else times[-1]
+    return VideoClip([fit_frame(f) for f in frames], uniform_indices(total, num_frames), times, info.fps, total,
+                     duration, "pyav", str(file))
 
 
 def fit_frame(frame: Image.Image, min_side: int = MIN_SIDE, max_aspect: float = MAX_ASPECT) -> Image.Image:

@@ -10,19 +10,27 @@ from __future__ import annotations
 import argparse
 import json
 
+from vtprune.cli_checks import int_range
+from vtprune.errors import UserError
+
+MAX_FRAMES = 256  # vtprune.video_io.MAX_FRAMES (not imported: no PIL / numpy at CLI import)
+MAX_GRID = 16  # K^2 <= MAX_FRAMES
+MIN_PROBE_PIXELS, MAX_PROBE_PIXELS = 28 * 28, 1024 * 1024
+
 
 def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     """The video options of ``vtprune run``."""
     group = parser.add_argument_group("video")
     group.add_argument("--video", default=None, help="video file: answer --question about it (decord, PyAV fallback)")
-    group.add_argument("--frames", type=int, default=None,
-                       help="frames sampled uniformly (default 8; with --gridprobe K: K*K)")
-    group.add_argument("--gridprobe", type=int, default=None, metavar="K",
+    group.add_argument("--frames", type=int_range(1, MAX_FRAMES), default=None,
+                       help=f"frames sampled uniformly, 1..{MAX_FRAMES} (default 8; with --gridprobe K: K*K)")
+    group.add_argument("--gridprobe", type=int_range(1, MAX_GRID), default=None, metavar="K",
                        help="select frames with GridProbe on a KxK grid (2K probes), then answer once")
     group.add_argument("--options", default=None, help="multiple-choice options, e.g. 'A) red;B) blue;C) green'")
     group.add_argument("--frame-budget", default="global", choices=("global", "per_frame"),
                        help="token budget over all frames (global) or each frame its own keep fraction")
-    group.add_argument("--probe-pixels", type=int, default=224 * 224, help="pixels per frame in GridProbe probes")
+    group.add_argument("--probe-pixels", type=int_range(MIN_PROBE_PIXELS, MAX_PROBE_PIXELS), default=224 * 224,
+                       help=f"pixels per frame in GridProbe probes ({MIN_PROBE_PIXELS}..{MAX_PROBE_PIXELS})")
     group.add_argument("--selector", default=None, help="model spec of the GridProbe selector (default: --model)")
     group.add_argument("--video-backend", default="auto", choices=("auto", "decord", "pyav"))
     group.add_argument("--route", default="auto", choices=("auto", "video", "images"),
@@ -33,26 +41,29 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command_run_video(args: argparse.Namespace) -> int:
     """Answer ``args.question`` about ``args.video``; prints the answer, M_eff, frames and compute ratio."""
-    from vtprune.cli import wrap_options
+    from vtprune.cli_options import final_keep, pruning_choice
+    from vtprune.embedded import default_video_spec
     from vtprune.gridprobe_run import run_gridprobe
-    from vtprune.loading import load, model_label
+    from vtprune.loading import check_device, check_model_spec, load, model_label
     from vtprune.video import load_video
 
-    if not args.question:
-        raise ValueError("--video needs --question TEXT.")
+    if not (args.question or "").strip():
+        raise UserError("--video needs --question TEXT (a non-empty question about the video).")
     k = args.gridprobe
-    if k is not None and k < 1:
-        raise ValueError(f"--gridprobe K needs K >= 1, got {k}.")
     frames = args.frames or (k * k if k else 8)
-    clip = load_video(args.video, frames, args.video_backend)
-    from vtprune.embedded import default_video_spec
-
     args.model = args.model or default_video_spec()
+    check_model_spec(args.model)
+    check_device(args.device)
+    if args.selector:
+        check_model_spec(args.selector)
+    pruning = pruning_choice(args)
+    clip = load_video(args.video, frames, args.video_backend)
     model, processor = load(args.model, args.attn, args.dtype, args.device)
+    _check_prompt(model, processor, clip, args, k)
     selector = load(args.selector, args.attn, args.dtype, args.device) if args.selector else None
     result = run_gridprobe(model, processor, clip, args.question, args.options, k=k, selector=selector,
-                           token_method=args.method, keep=args.keep, frame_budget=args.frame_budget,
-                           wrap_options=wrap_options(args), probe_pixels=args.probe_pixels, route=args.route,
+                           token_method=pruning.method, keep=pruning.keep, frame_budget=args.frame_budget,
+                           wrap_options=pruning.options, probe_pixels=args.probe_pixels, route=args.route,
                            max_new_tokens=args.max_new_tokens, measure_baseline=args.measure_baseline)
     record = result.as_dict()
     record.pop("selection")
@@ -61,15 +72,30 @@ def command_run_video(args: argparse.Namespace) -> int:
         record.update(skew=sel.skew, kurtosis=sel.kurtosis, shape=sel.shape, row_confidence=sel.row_confidence,
                       column_confidence=sel.column_confidence)
     record.update(video=str(args.video), video_backend=clip.backend, video_frames=clip.total_frames,
-                  video_fps=clip.fps, frames_sampled=len(clip), question=args.question, method=args.method,
-                  keep=args.keep, frame_budget=args.frame_budget, model=model_label(args.model),
+                  video_fps=clip.fps, frames_sampled=len(clip), question=args.question, method=pruning.method,
+                  keep=final_keep(pruning), requested_keep=pruning.keep, frame_budget=args.frame_budget, model=model_label(args.model),
                   selector=model_label(args.selector) if args.selector else None, dtype=args.dtype,
                   attn_implementation=args.attn, device=str(next(model.parameters()).device))
+    record["notes"] = list(record.get("notes", [])) + pruning.notes
     if args.json:
         print(json.dumps(record))
         return 0
     _print_video(record)
     return 0
+
+
+def _check_prompt(model, processor, clip, args: argparse.Namespace, k: int | None) -> None:
+    """Refuse a question whose prompt cannot fit the context (with one frame; with all of them without K)."""
+    from vtprune.gridprobe_run import question_prompt
+    from vtprune.pipeline import check_prompt_length
+    from vtprune.video import frame_inputs, video_route
+
+    prompt = question_prompt(args.question, args.options)[0]
+    route = video_route(processor, args.route)
+    frames = clip.frames if k is None else clip.frames[:1]
+    ids = frame_inputs(processor, model.config.model_type, [frames], [prompt], route)["input_ids"]
+    what = f"the prompt with {len(frames)} frame(s)" if k is None else "the prompt with a single frame"
+    check_prompt_length(model, ids, args.max_new_tokens, what=what)
 
 
 def _print_video(r: dict) -> None:

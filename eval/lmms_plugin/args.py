@@ -71,6 +71,10 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
     dtype = str(load.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)} in --model_args.")
+    from vtprune.loading import check_device, check_model_spec
+
+    check_model_spec(_optional_str(load.get("pretrained")))  # a bad folder / offline hub id fails now, in one line
+    check_device(_optional_str(load.get("device")))
     return PluginArgs(
         prune=prune, pretrained=_optional_str(load.get("pretrained")),
         attn_implementation=str(load.get("attn_implementation", "sdpa")), dtype=dtype,
@@ -82,19 +86,16 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
 
 
 def prune_config(options: dict[str, Any]) -> Any:
-    """A checked :class:`vtprune.PruneConfig` from pruning keys; a ``config=`` file first, explicit keys win.
+    """A checked :class:`vtprune.PruneConfig` from pruning keys; a ``config=`` file supplies the rest.
 
-    The method is instantiated once with its options, so an unknown name or option raises vtprune's
-    ``ValueError`` here, before the model is loaded.
+    A key set both in the file and in ``--model_args`` (``method``, ``keep``, an option) must agree: a clash
+    is an error naming the file and the field. The method is instantiated once with its options, so an
+    unknown name or option raises vtprune's ``ValueError`` here, before the model is loaded.
     """
     from vtprune.config import PruneConfig
-    from vtprune.methods import load_method_config, make_method
+    from vtprune.methods import make_method
 
-    merged: dict[str, Any] = {}
-    config_file = options.get("config")
-    if config_file:
-        merged.update(load_method_config(str(config_file)))
-    merged.update({k: v for k, v in options.items() if k != "config"})
+    merged = _with_config_file(options)
     fields = {k: merged.pop(k) for k in CONFIG_FIELDS if k in merged}
     if fields.get("schedule") is not None:
         fields["schedule"] = str(fields["schedule"])
@@ -105,6 +106,38 @@ def prune_config(options: dict[str, Any]) -> Any:
         method_options["debias"] = config.debias
     make_method(config.method, method_options)
     return config
+
+
+def _with_config_file(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` merged with the ``config=`` file's method and wrap options (clashes refused)."""
+    from vtprune.errors import UserError
+    from vtprune.method_config import read_method_config
+
+    given = {k: v for k, v in options.items() if k != "config"}
+    config_file = options.get("config")
+    if not config_file:
+        return given
+    file = read_method_config(str(config_file), method=str(given.get("method", "fastv")))
+    from_file = dict(file.options)
+    if file.method is not None:
+        from_file["method"] = file.method
+    for key, value in given.items():
+        if key in from_file and _differs(from_file[key], value):
+            raise UserError(f"--model_args {key}={value!r} but config={config_file!r} sets {key} = "
+                            f"{from_file[key]!r}; drop one of them.")
+    return {**from_file, **given}
+
+
+def _differs(a: Any, b: Any) -> bool:
+    """Values from JSON and from lmms-eval's parser differ only in spelling (``0.25`` vs ``'0.25'``)?"""
+    if a == b:
+        return False
+    if isinstance(a, str) and isinstance(b, str):
+        return a.split("+")[0] != b.split("+")[0] if "+" in a + b else a != b
+    try:
+        return float(a) != float(b)
+    except (TypeError, ValueError):
+        return str(a).lower() != str(b).lower()
 
 
 def _map_device_map(rest: dict[str, Any]) -> None:

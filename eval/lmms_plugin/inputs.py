@@ -26,7 +26,9 @@ def flatten_visuals(visuals: Any) -> list[Image.Image]:
     if visuals is None:
         return []
     if isinstance(visuals, Image.Image):
-        return [visuals.convert("RGB")]
+        from vtprune.images import to_rgb
+
+        return [to_rgb(visuals)]  # EXIF orientation applied, 16-bit greyscale scaled (not clipped to white)
     if isinstance(visuals, (str, dict)):
         raise NotImplementedError(
             f"the vtprune lmms-eval models take images (PIL) and lists of frames, got {type(visuals).__name__} "

@@ -283,9 +283,9 @@ OTHER_FAMILIES = {VTPruneLlava.model_id: VTPruneQwenVL.families, VTPruneQwenVL.m
 
 def checkpoint_model_type(spec: str | None) -> str:
     """``config.model_type`` of a ``pretrained=`` value without loading weights."""
-    from vtprune.loading import resolve_model
+    from vtprune.loading import check_model_spec
 
-    target = resolve_model(spec)
+    target = check_model_spec(spec)
     if target.startswith("tiny:"):
         return target.split(":", 1)[1]
     from transformers import AutoConfig

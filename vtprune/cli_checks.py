@@ -1,0 +1,145 @@
+"""Argument checks of the command line, run before any work or model loading (no torch imported here).
+
+argparse ``type=`` callables (:func:`positive_int`, :func:`int_range`, :func:`keep_fraction`,
+:func:`keep_list`, :func:`name_list`) make ``parser.error`` print ``vtprune <cmd>: error: ...`` with the usage;
+the ``check_*`` functions raise :class:`~vtprune.errors.UserError`, which :func:`vtprune.cli.main` prints as
+one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from vtprune.errors import UserError
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return int_range(1)(text)
+
+
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type factory: an integer in ``[low, high]`` (``high`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def keep_fraction(text: str) -> float:
+    """argparse type: a keep fraction in ``(0, 1]``."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if math.isnan(value) or not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"keep must be in (0, 1] (the fraction of visual tokens kept), got {text!r}")
+    return value
+
+
+def keep_list(text: str) -> str:
+    """argparse type: a comma-separated, non-empty list of keep fractions (returned with blank items dropped)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated keep fractions such as '1,0.5,0.25', got {text!r}")
+    for item in items:
+        keep_fraction(item)
+    return ",".join(items)
+
+
+def name_list(text: str) -> str:
+    """argparse type: a comma-separated, non-empty list of names."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names such as 'none,fastv', got {text!r}")
+    return ",".join(items)
+
+
+def check_output_file(path: str | Path, flag: str = "--out") -> Path:
+    """Refuse an output file path that is a folder or cannot be written (nothing is created here)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a folder; give a file path, e.g. {flag} {Path(path) / 'result.json'}.")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UserError(f"{flag} {str(path)!r} exists and is not writable; choose another path.")
+    _check_creatable(target.parent, path, flag)
+    return target
+
+
+def check_output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """Refuse an output folder that is a file or cannot be created / written (nothing is created here)."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{flag} {str(path)!r} is a file; give a folder path for the outputs.")
+    if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {str(path)!r} is not writable; choose another folder.")
+    _check_creatable(target, path, flag)
+    return target
+
+
+def _check_creatable(folder: Path, path: str | Path, flag: str) -> None:
+    """The nearest existing ancestor of ``folder`` must be a writable folder."""
+    ancestor = folder.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{flag} {str(path)!r}: {ancestor} is a file, so no folder can be created under it.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {str(path)!r}: the folder {ancestor} is not writable; choose another path.")
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, share: bool) -> str | None:
+    """A warning when the demo is reachable from other machines (it has no authentication)."""
+    reasons = []
+    if not is_loopback(host):
+        reasons.append(f"it listens on {host}, reachable from other machines on the network")
+    if share:
+        reasons.append("--share opens a public gradio.live link that anyone with the address can use")
+    if not reasons:
+        return None
+    return ("WARNING: the demo has no authentication and " + "; ".join(reasons) + ". Anyone who reaches it can "
+            "run the model and upload files. Bind to 127.0.0.1 (the default) unless that is what you want.")
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a port outside 1..65535 or one that another process already listens on."""
+    if not 0 < port < 65536:
+        raise UserError(f"--port {port} is not a TCP port; use a number in 1..65535 (default 7860).")
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener still refuses; TIME_WAIT does not
+        try:
+            probe.bind((host.strip("[]"), port))
+        except socket.gaierror as error:
+            raise UserError(f"--host {host!r} is not an address of this machine ({error}).") from error
+        except OSError as error:
+            raise UserError(f"cannot listen on {host}:{port} ({error.strerror or error}); the port is busy or "
+                            "not allowed: choose another --port.") from error

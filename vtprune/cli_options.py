@@ -1,0 +1,159 @@
+"""The pruning options of ``vtprune run`` (image and video): arguments, and what they resolve to.
+
+``--method`` and ``--keep`` default to None so that a ``--config`` file (from ``vtprune tune``) can supply
+them; a value given both on the command line and in the file must agree, otherwise the run stops before any
+work with an error naming the file and the field. No torch at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, int_range, keep_fraction
+from vtprune.errors import UserError
+
+DEFAULT_METHOD = "fastv"
+DEFAULT_KEEP = 0.25
+TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every command that prunes shares (model, method, keep, schedule, attention)."""
+    parser.add_argument("--model", default=None,
+                        help="folder or hub id; default 'embedded:llava' (images) or 'embedded:qwen2_vl' (--video); 'tiny:<type>'")
+    parser.add_argument("--method", default=None,
+                        help="pruning method (see `vtprune info`; default fastv, or the --config file's); 'fastv+debias' ok")
+    parser.add_argument("--keep", type=keep_fraction, default=None,
+                        help="fraction of visual tokens kept, in (0, 1] (default 0.25; a schedule's last stage wins)")
+    parser.add_argument("--layer", type=int_range(0), default=None, help="single pruning layer K (layers >= K pruned)")
+    parser.add_argument("--schedule", default=None, help="progressive stages, e.g. '2:0.5,8:0.25'")
+    parser.add_argument("--config", default=None, help="method configuration file (from `vtprune tune`)")
+    parser.add_argument("--debias", default=None,
+                        help="debias attention scores: 'true' (model calibration or default trend), 'false' or a file")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation (default sdpa)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype (default float32)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+
+
+@dataclass
+class Pruning:
+    """What ``vtprune.wrap`` gets: method, requested keep, options; ``notes`` explain overrides."""
+
+    method: str
+    keep: float
+    options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def pruning_choice(args: argparse.Namespace) -> Pruning:
+    """Resolve ``--method/--keep/--layer/--schedule/--debias/--config``; :class:`UserError` on conflicts."""
+    given = {"layer": args.layer, "schedule": args.schedule or None}
+    if getattr(args, "debias", None) is not None:
+        given["debias"] = debias_option(args.debias)
+    given = {k: v for k, v in given.items() if v is not None}
+    method, keep, options = args.method, args.keep, dict(given)
+    if getattr(args, "config", None):
+        method, keep, options = _merge_config(args, given)
+    choice = Pruning(method or DEFAULT_METHOD, DEFAULT_KEEP if keep is None else keep, options)
+    _schedule_note(choice, args.keep)
+    check_pruning(choice)
+    return choice
+
+
+def check_pruning(choice: Pruning) -> None:
+    """Method name, its options and the schedule syntax, checked without a model (depth is checked at wrap)."""
+    from vtprune.config import PruneConfig
+    from vtprune.methods import make_method
+
+    config_keys = ("schedule", "layer", "positions", "debias", "seed")
+    fields = {k: v for k, v in choice.options.items() if k in config_keys}
+    method_options = {k: v for k, v in choice.options.items() if k not in config_keys}
+    try:
+        config = PruneConfig(method=choice.method, keep=choice.keep, options=method_options, **fields)
+        if config.debias:
+            method_options["debias"] = config.debias
+        make_method(config.method, method_options)
+    except UserError:
+        raise
+    except ValueError as error:
+        raise UserError(str(error)) from error
+
+
+def _merge_config(args: argparse.Namespace, given: dict[str, Any]) -> tuple[str | None, float | None, dict]:
+    from vtprune.method_config import read_method_config
+
+    file = read_method_config(args.config, method=args.method or DEFAULT_METHOD)
+    where = f"--config {args.config!r}"
+    method = args.method
+    if file.method and method and file.method.split("+")[0] != method.split("+")[0]:
+        raise UserError(f"--method {method!r} but {where} is a configuration of {file.method!r} (field 'method'); "
+                        f"drop --method or use --method {file.method}.")
+    options = dict(file.options)
+    keep = options.pop("keep", None)
+    if keep is not None and args.keep is not None and float(keep) != args.keep:
+        raise UserError(f"--keep {args.keep:g} but {where} sets keep {keep!r} (field 'keep'); drop one of them.")
+    for key, value in given.items():
+        if key in options and options[key] != value:
+            raise UserError(f"--{key} {value!r} but {where} sets {key} = {options[key]!r}; drop one of them.")
+    if ("layer" in given and options.get("schedule")) or ("schedule" in given and options.get("layer") is not None):
+        raise UserError(f"{where} sets a {'schedule' if 'layer' in given else 'layer'} and the command line a "
+                        f"{'layer' if 'layer' in given else 'schedule'}; give one of them.")
+    options.update(given)
+    return method or file.method, args.keep if args.keep is not None else keep, options
+
+
+def debias_option(value: str) -> bool | str:
+    """``--debias``: true / false words, or a calibration file (checked now, before any model is loaded)."""
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    from vtprune.criteria.debias import check_debias_option
+
+    try:
+        return check_debias_option(value)
+    except UserError:
+        raise
+    except ValueError as error:
+        raise UserError(f"--debias {value!r}: {error}") from error
+
+
+def _schedule_note(choice: Pruning, requested: float | None) -> None:
+    """Say when an explicit --keep is overridden by the last stage of a schedule."""
+    schedule = choice.options.get("schedule")
+    if requested is None or not schedule:
+        return
+    from vtprune.config import parse_schedule
+
+    try:
+        stages = parse_schedule(schedule)
+    except ValueError as error:
+        raise UserError(f"--schedule {schedule!r}: {error}") from error
+    if stages and stages[-1].keep != requested:
+        choice.notes.append(f"--keep {requested:g} is overridden by the schedule's last stage "
+                            f"(keep {stages[-1].keep:g} from layer {stages[-1].layer}).")
+
+
+def final_keep(choice: Pruning) -> float:
+    """The keep fraction the last stage applies: a schedule's last keep, else the requested keep."""
+    schedule = choice.options.get("schedule")
+    if not schedule:
+        return choice.keep
+    from vtprune.config import parse_schedule
+
+    stages = parse_schedule(schedule)
+    return stages[-1].keep if stages else choice.keep
+
+
+def effective_stages(handle: Any) -> list[list[float]]:
+    """``[[layer, keep], ...]`` of a wrapped model's handle (empty when nothing is pruned)."""
+    return [[int(stage.layer), float(stage.keep)] for stage in getattr(handle, "stages", ()) or ()]
+
+
+def effective_keep(handle: Any) -> float:
+    """The final keep fraction the handle applies (the last stage's; 1.0 when nothing is pruned)."""
+    stages = effective_stages(handle)
+    return stages[-1][1] if stages else 1.0
