@@ -40,8 +40,10 @@ def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
     except UnidentifiedImageError as error:
         raise UserError(f"image {name!r} is not an image file Pillow can read (format not recognised); "
                         "give a PNG, JPEG, WebP, BMP, GIF or TIFF file.") from error
-    except Image.DecompressionBombError as error:
-        raise UserError(f"image {name!r} is too large to decode safely ({error}); downscale it first.") from error
+    except Image.DecompressionBombError as error:  # Pillow refuses the header before our own size check
+        raise UserError(f"image {name!r} declares more than {2 * (Image.MAX_IMAGE_PIXELS or 0) / 1e6:.0f} MP "
+                        f"(a decompression bomb?); vtprune reads images up to {max_pixels / 1e6:.1f} MP. Downscale "
+                        "it first.") from error
     except PermissionError as error:
         raise UserError(f"image {name!r} cannot be read (permission denied).") from error
     except (OSError, SyntaxError, ValueError) as error:
