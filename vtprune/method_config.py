@@ -149,6 +149,9 @@ def _check_method_options(method: str, options: dict[str, Any], name: str, prefi
     known = {f.name: str(f.type) for f in fields(cls)} if cls is not None and is_dataclass(cls) else {}
     method_options = {k: v for k, v in options.items() if k not in (*CONFIG_FIELDS, "keep")}
     for key, value in method_options.items():
+        if known and key not in known:
+            raise UserError(f"method config {name!r}: field '{prefix}{key}' is not an option of {base} (its options: "
+                            f"{', '.join(known) or 'none'}; wrap() also takes keep, {', '.join(CONFIG_FIELDS)}).")
         if key in known and not _matches(value, known[key]):
             raise UserError(f"method config {name!r}: field '{prefix}{key}' of {base} must be {known[key]}, "
                             f"got {value!r}.")
