@@ -5,8 +5,11 @@ Reading
 :func:`load_video` samples ``N`` frames at indices ``round(linspace(0, T - 1, N))`` (the rule GridProbe uses
 for its candidates) and keeps each frame's source index and timestamp. decord 0.6 seeks frame-accurately;
 when decord is missing or cannot open the file, PyAV decodes the stream sequentially and keeps the wanted
-indices (also frame-accurate, slower on long videos). Errors are ``FileNotFoundError`` (no file) or
-``ValueError`` (empty file, undecodable data, no video stream, zero-length stream).
+indices (also frame-accurate, slower on long videos). Decoding is bounded (:mod:`vtprune.video_io`): sources
+above 33.5 MP per frame are refused, at most 256 frames are sampled, each scaled inside the decoder to at most
+1 MP; rotated clips come out upright (read with PyAV). Errors are ``FileNotFoundError`` (no file),
+:class:`~vtprune.errors.UserError` (a folder, an empty file, a limit exceeded) or ``ValueError`` (undecodable
+data, no video stream, zero-length stream).
 
 Odd resolutions: decoders return odd-sized frames as stored and every processor resizes them, so they are
 used as is. Frames whose short side is below ``MIN_SIDE`` (28 px, one merged Qwen patch) are upscaled
