@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from vtprune.eval.bench_speed import add_speed_arguments
 
 DEFAULT_METHODS = "none,random,oracle,fastv,fastv+debias,pdrop,transprune,ttv,vflowopt"
 DEFAULT_KEEPS = "1,0.5,0.33,0.25,0.11"
@@ -238,8 +239,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--speed", action="store_true", help="run the speed-proxy benchmark instead")
     parser.add_argument("--speed-hidden", type=int, default=1024, help="speed proxy: LM hidden size")
     parser.add_argument("--speed-layers", type=int, default=16, help="speed proxy: LM layers")
-    parser.add_argument("--speed-tokens", default="all", help="speed proxy: 576, 2916 or all")
+    parser.add_argument("--speed-tokens", default="576,2880",
+                        help="speed: geometries, comma-separated 576, 2880 (alias 2916), 2304, 16384, video, or all")
     parser.add_argument("--layer", type=int, default=None, help="speed proxy: pruning layer (default: method's)")
+    add_speed_arguments(parser)
     video = parser.add_argument_group("video (--video; --methods/--keep/--out default to none,fastv / 1,0.25 / "
                                       "runs/bench_video)")
     video.add_argument("--video", action="store_true",
