@@ -78,6 +78,7 @@ RUN_CASES = [
     (["--method", "nope"], "known methods"),
     (["--method", "random", "--debias", "true"], "debias does not apply"),
     (["--schedule", "2-0.5"], "LAYER:KEEP"),
+    (["--schedule", "2:0.5,1:0.25"], "schedule layers must increase strictly"),
     (["--question", "  "], "--question is empty"),
 ]
 

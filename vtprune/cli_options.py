@@ -64,7 +64,7 @@ def pruning_choice(args: argparse.Namespace) -> Pruning:
 
 def check_pruning(choice: Pruning) -> None:
     """Method name, its options and the schedule syntax, checked without a model (depth is checked at wrap)."""
-    from vtprune.config import PruneConfig
+    from vtprune.config import PruneConfig, validate_stages
     from vtprune.methods import make_method
 
     config_keys = ("schedule", "layer", "positions", "debias", "seed")
@@ -72,6 +72,8 @@ def check_pruning(choice: Pruning) -> None:
     method_options = {k: v for k, v in choice.options.items() if k not in config_keys}
     try:
         config = PruneConfig(method=choice.method, keep=choice.keep, options=method_options, **fields)
+        if config.stages:
+            validate_stages(config.stages, 1 << 20)  # order and keep fractions now; the depth at wrap time
         if config.debias:
             method_options["debias"] = config.debias
         make_method(config.method, method_options)
