@@ -19,8 +19,20 @@ import torch
 from tqdm import tqdm
 from vtprune.eval.bench_speed import add_speed_arguments
 
+from vtprune.cli_checks import (
+    ATTN_IMPLEMENTATIONS,
+    DTYPE_NAMES,
+    check_output_dir,
+    int_range,
+    keep_list,
+    name_list,
+    positive_int,
+)
+from vtprune.errors import UserError
+
 DEFAULT_METHODS = "none,random,oracle,fastv,fastv+debias,pdrop,transprune,ttv,vflowopt"
 DEFAULT_KEEPS = "1,0.5,0.33,0.25,0.11"
+SPLITS = ("train", "val", "test", "calib")
 
 
 @dataclass
@@ -179,14 +191,16 @@ def run(args: argparse.Namespace) -> Path:
 
     from vtprune.loading import load, model_label
 
+    methods = available_methods([m for m in args.methods.split(",") if m])
+    if not methods:
+        raise UserError(f"--methods {args.methods!r} names no known method; see `vtprune info`.")
+    keeps = [float(k) for k in args.keep.split(",") if k]
+    out = check_output_dir(args.out)
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     items = load_items(args.split, args.images)
-    methods = available_methods([m for m in args.methods.split(",") if m])
-    keeps = [float(k) for k in args.keep.split(",") if k]
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = conditions(model, args)
     text_tokens = _text_tokens(model, processor, items[0])
@@ -224,31 +238,31 @@ def _text_tokens(model, processor, item: Item) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="accuracy / evidence recall / cost of methods x keep fractions")
     parser.add_argument("--model", default=None, help="folder or hub id; default: the embedded LLaVA")
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--methods", default=DEFAULT_METHODS)
-    parser.add_argument("--keep", default=DEFAULT_KEEPS, help="comma-separated keep fractions")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--images", type=int, default=100, help="images (6 questions each)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--timing-samples", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (0: torch default; 1 avoids thread thrashing on shared CPUs)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, type=name_list)
+    parser.add_argument("--keep", default=DEFAULT_KEEPS, type=keep_list, help="comma-separated keep fractions")
+    parser.add_argument("--split", default="test", choices=SPLITS)
+    parser.add_argument("--images", type=int_range(1, 100_000), default=100, help="images (6 questions each)")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32)
+    parser.add_argument("--timing-samples", type=int_range(1, 10_000), default=4)
+    parser.add_argument("--repeats", type=int_range(1, 1000), default=3)
+    parser.add_argument("--threads", type=int_range(0, 1024), default=1, help="torch CPU threads (0: torch default; 1 avoids thread thrashing on shared CPUs)")
     parser.add_argument("--out", default="runs/bench")
     parser.add_argument("--speed", action="store_true", help="run the speed-proxy benchmark instead")
-    parser.add_argument("--speed-hidden", type=int, default=1024, help="speed proxy: LM hidden size")
-    parser.add_argument("--speed-layers", type=int, default=16, help="speed proxy: LM layers")
+    parser.add_argument("--speed-hidden", type=positive_int, default=1024, help="speed proxy: LM hidden size")
+    parser.add_argument("--speed-layers", type=positive_int, default=16, help="speed proxy: LM layers")
     parser.add_argument("--speed-tokens", default="576,2880",
                         help="speed: geometries, comma-separated 576, 2880 (alias 2916), 2304, 16384, video, or all")
-    parser.add_argument("--layer", type=int, default=None, help="speed proxy: pruning layer (default: method's)")
+    parser.add_argument("--layer", type=int_range(0), default=None, help="speed proxy: pruning layer (default: method's)")
     add_speed_arguments(parser)
     video = parser.add_argument_group("video (--video; --methods/--keep/--out default to none,fastv / 1,0.25 / "
                                       "runs/bench_video)")
     video.add_argument("--video", action="store_true",
                        help="video split: all K^2 frames vs uniform M_eff vs GridProbe, x token methods")
-    video.add_argument("--clips", type=int, default=20, help="video: clips (2 questions each)")
-    video.add_argument("--k", type=int, default=None,
+    video.add_argument("--clips", type=int_range(1, 100_000), default=20, help="video: clips (2 questions each)")
+    video.add_argument("--k", type=int_range(1, 16), default=None,
                        help="video: GridProbe grid side K (default: largest K <= 4 whose K^2 frames fit the context)")
     video.add_argument("--answer", default="generate", choices=("generate", "score"),
                        help="video: generate and parse the letter (option text mapped) or argmax of letter scores")
@@ -256,11 +270,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="video: ask without the A-D options (GridProbe scores the peak first-token "
                             "probability); answers are mapped to the options")
     video.add_argument("--route", default="auto", choices=("auto", "video", "images"), help="video: frame route")
-    video.add_argument("--probe-pixels", type=int, default=224 * 224, help="video: pixels per frame in the probes")
+    video.add_argument("--probe-pixels", type=int_range(28 * 28, 1024 * 1024), default=224 * 224,
+                       help="video: pixels per frame in the probes")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
+    from vtprune.loading import check_device, check_model_spec
+
+    check_device(args.device)
+    if not args.speed:
+        check_model_spec(args.model)
     if args.video:
         from vtprune.eval.bench_video import run_video
 
