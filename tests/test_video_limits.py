@@ -196,3 +196,13 @@ def test_a_text_file_named_mp4_is_a_bad_file(tmp_path, capsys):
     fake.write_text("not a video at all\n" * 20)
     assert main(["run", "--video", str(fake), "--question", "q", "--model", "tiny:llava", "--device", "cpu"]) == 2
     assert "cannot decode video" in capsys.readouterr().err
+
+
+def test_video_run_notes_the_centre_crop_of_non_square_frames(tmp_path, capsys):
+    import json
+
+    path = _write(tmp_path / "wide.mp4", _frames(48, 64, 3))
+    assert main(["run", "--video", path, "--question", "Which?", "--options", "A) red;B) blue", "--frames", "2",
+                 "--model", "tiny:llava", "--device", "cpu", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert any(note.startswith("frames: the image is 64x48") for note in record["notes"]), record["notes"]

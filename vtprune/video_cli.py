@@ -76,7 +76,10 @@ def command_run_video(args: argparse.Namespace) -> int:
                   keep=final_keep(pruning), requested_keep=pruning.keep, frame_budget=args.frame_budget, model=model_label(args.model),
                   selector=model_label(args.selector) if args.selector else None, dtype=args.dtype,
                   attn_implementation=args.attn, device=str(next(model.parameters()).device))
-    record["notes"] = list(record.get("notes", [])) + pruning.notes
+    from vtprune.images import crop_note
+
+    crop = crop_note(processor, clip.frames[0].size)
+    record["notes"] = list(record.get("notes", [])) + pruning.notes + ([f"frames: {crop}"] if crop else [])
     if args.json:
         print(json.dumps(record))
         return 0
