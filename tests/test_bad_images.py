@@ -37,13 +37,15 @@ def _bad_files(tmp_path) -> dict[str, tuple[str, str]]:
     bomb = tmp_path / "bomb.png"  # a tiny file whose header declares 20000 x 20000 pixels
     Image.new("1", (20000, 20000)).save(bomb, optimize=True)
     Image.new("1", (5000, 4000)).save(tmp_path / "large.png", optimize=True)  # 20 MP: below Pillow's own guard
+    Image.new("RGB", (3000, 10)).save(tmp_path / "thin.png")
     return {"missing": (str(tmp_path / "missing.png"), "does not exist"),
             "empty": (str(tmp_path / "empty.png"), "empty (0 bytes)"),
             "not an image": (str(tmp_path / "notes.png"), "not an image file"),
             "truncated": (str(tmp_path / "truncated.png"), "truncated or corrupt"),
             "folder": (str(tmp_path / "folder.png"), "is a folder"),
             "bomb": (str(bomb), "up to 16.8 MP"),
-            "large": (str(tmp_path / "large.png"), "5000x4000 pixels (20.0 MP)")}
+            "large": (str(tmp_path / "large.png"), "5000x4000 pixels (20.0 MP)"),
+            "thin": (str(tmp_path / "thin.png"), "aspect ratio above 200:1")}
 
 
 def test_bad_image_files_raise_one_clear_user_error(tmp_path):
@@ -129,3 +131,20 @@ def test_non_square_images_get_a_crop_note(tmp_path, capsys):
     assert any("centre-crops" in note for note in record["notes"])
     assert main(["run", "--image", str(path), "--device", "cpu"]) == 0
     assert "note      the image is 224x112" in capsys.readouterr().out
+
+
+def test_demo_uploads_use_the_same_image_checks(tmp_path):
+    from vtprune.demo_uploads import UploadError, check_upload, load_image
+
+    files = _bad_files(tmp_path)
+    expected = {"empty": "empty.png is empty (0 bytes)", "truncated": "truncated.png is not a readable image",
+                "not an image": "notes.png is not a readable image", "thin": "thin.png is 3000x10, an aspect ratio",
+                "large": "large.png is 5000x4000 pixels"}
+    for name, words in expected.items():
+        with pytest.raises(UploadError, match=re.escape(words)):
+            check_upload(files[name][0], [tmp_path])
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    _photo().transpose(Image.Transpose.ROTATE_90).save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    assert check_upload(tmp_path / "phone.jpg", [tmp_path]) == "image"
+    assert load_image(tmp_path / "phone.jpg").size == _photo().size

@@ -19,91 +19,22 @@ import torch
 from PIL import Image, ImageOps
 
 import vtprune
-from vtprune.errors import UserError
+from vtprune.demo_uploads import IMAGE_SUFFIXES as IMAGE_SUFFIXES
+from vtprune.demo_uploads import MAX_UPLOAD_MB as MAX_UPLOAD_MB
+from vtprune.demo_uploads import VIDEO_SUFFIXES as VIDEO_SUFFIXES
+from vtprune.demo_uploads import UploadError
+from vtprune.demo_uploads import check_upload as check_upload
+from vtprune.demo_uploads import load_image as load_image
 from vtprune.flops import LMShape, kv_cache_bytes, prefill_flops, tokens_per_layer
-from vtprune.images import MAX_IMAGE_PIXELS, crop_note, open_image
+from vtprune.images import crop_note
 from vtprune.pipeline import answer_questions, build_inputs, check_prompt_length
 
 EXAMPLES_DIR = Path(tempfile.gettempdir()) / "vtprune-demo" / "examples"
 EXAMPLE_IMAGES = 4
-MAX_UPLOAD_MB = 50
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
-VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".avi", ".mkv", ".m4v")
-
-
-class UploadError(ValueError):
-    """An upload the demo refuses; the message is shown to the user as is."""
 
 
 class VideoUnavailable(RuntimeError):
     """Video input needs GridProbe and a video reader, which this installation lacks."""
-
-
-def check_upload(path: str | Path, roots: list[str | Path], max_mb: float = MAX_UPLOAD_MB) -> str:
-    """``"image"`` or ``"video"`` for an acceptable upload under one of ``roots``, else :class:`UploadError`.
-
-    The path is resolved (symlinks followed) and must lie inside an allowed folder, so a client cannot make
-    the demo read any other file; then size, suffix and content are checked.
-    """
-    file = Path(path).resolve()
-    if not any(file.is_relative_to(Path(root).resolve()) for root in roots):
-        raise UploadError("this file is not in the demo's upload folder; upload it through the page.")
-    if not file.is_file():
-        raise UploadError("the uploaded file is gone; upload it again.")
-    size_mb = file.stat().st_size / 2**20
-    if file.stat().st_size == 0:
-        raise UploadError(f"{file.name} is empty (0 bytes); upload the file again.")
-    if size_mb > max_mb:
-        raise UploadError(f"{file.name} is {size_mb:.1f} MB; the demo accepts files up to {max_mb:g} MB.")
-    suffix = file.suffix.lower()
-    if suffix in IMAGE_SUFFIXES:
-        _check_image(file)
-        return "image"
-    if suffix in VIDEO_SUFFIXES:
-        _check_video(file)
-        return "video"
-    raise UploadError(f"{file.name} is not an image or a video; upload a picture "
-                      f"({', '.join(s[1:] for s in IMAGE_SUFFIXES[:4])}, ...) or a video "
-                      f"({', '.join(s[1:] for s in VIDEO_SUFFIXES[:3])}, ...).")
-
-
-def _check_image(file: Path) -> None:
-    try:
-        with Image.open(file) as image:
-            width, height = image.size
-            image.verify()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
-        raise UploadError(f"{file.name} is not a readable image ({type(error).__name__}).") from error
-    if width * height > MAX_IMAGE_PIXELS:
-        raise UploadError(f"{file.name} is {width}x{height} pixels; the demo accepts up to "
-                          f"{MAX_IMAGE_PIXELS / 1e6:.1f} megapixels.")
-    try:
-        open_image(file)  # decodes every pixel: a truncated file fails here, not in the model run
-    except UserError as error:
-        raise UploadError(f"{file.name} is not a readable image (truncated or corrupt).") from error
-
-
-def _check_video(file: Path) -> None:
-    """A file with a video suffix must hold a decodable video stream within the decoding limits."""
-    try:
-        from vtprune.video_io import probe
-    except ImportError:  # no video support: the run says so (VideoUnavailable)
-        return
-    try:
-        info = probe(file)
-    except UserError as error:
-        raise UploadError(str(error).replace(repr(str(file)), file.name)) from error
-    except ImportError:
-        return
-    except Exception as error:  # av.error.* (not a video container)
-        raise UploadError(f"{file.name} is not a readable video (its data is not a video container).") from error
-    if not info.width:
-        raise UploadError(f"{file.name} holds no video stream; upload a video (mp4, webm, mov, ...).")
-
-
-def load_image(path: str | Path) -> Image.Image:
-    """The (already checked) image file as upright 8-bit RGB (EXIF orientation applied, 16-bit scaled)."""
-    return open_image(path)
 
 
 @dataclass

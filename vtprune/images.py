@@ -21,6 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from vtprune.errors import UserError
 
 MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_ASPECT = 200.0  # Qwen-VL's smart_resize limit (as for video frames)
 
 
 def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
@@ -62,10 +63,13 @@ def check_image_file(file: Path, name: str) -> None:
 
 
 def check_image_size(size: tuple[int, int], name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
-    """Refuse an image whose header declares more than ``max_pixels`` pixels (or no pixel at all)."""
+    """Refuse an image whose header declares more than ``max_pixels`` pixels, no pixel, or an extreme aspect."""
     width, height = size
     if width < 1 or height < 1:
         raise UserError(f"image {name!r} has no pixels ({width}x{height}).")
+    if max(width, height) / min(width, height) > MAX_ASPECT:
+        raise UserError(f"image {name!r} is {width}x{height}, an aspect ratio above {MAX_ASPECT:g}:1, which vision "
+                        "processors refuse (Qwen-VL); crop it first.")
     if width * height > max_pixels:
         raise UserError(f"image {name!r} is {width}x{height} pixels ({width * height / 1e6:.1f} MP); vtprune reads "
                         f"images up to {max_pixels / 1e6:.1f} MP. Downscale it first (vision models resize "
@@ -104,10 +108,10 @@ def crop_note(processor: Any, size: tuple[int, int]) -> str | None:
     width, height = size
     if config is None or not getattr(config, "do_center_crop", False) or not crop or width == height:
         return None
-    side = min(width, height)
+    side, long = min(width, height), max(width, height)
     return (f"the image is {width}x{height}; the model's processor resizes its short side and centre-crops a "
-            f"square, so the outer {100 * (1 - side / max(width, height)):.0f}% of the long side is not seen. "
-            "Crop or pad the image yourself to choose what the model sees.")
+            f"square, so only the central {side} of the {long} px along the long side are seen. Crop or pad the "
+            "image yourself to choose what the model sees.")
 
 
 def _first_line(error: BaseException) -> str:
