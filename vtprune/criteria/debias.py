@@ -20,7 +20,6 @@ TransPrune's IGA term)::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,9 +145,9 @@ class Debiaser:
 
 def read_calibration(path: str | Path, trend: str | None = None) -> Debiaser:
     """A :class:`Debiaser` from a ``vtprune calibrate`` file; ``trend`` (``"exp"``/``"curve"``) overrides its default."""
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("format") != FORMAT or "layers" not in data:
-        raise ValueError(f"{path} is not a vtprune debias calibration file; create one with `vtprune calibrate`.")
+    from vtprune.calibration_check import load_calibration_json
+
+    data = load_calibration_json(path, FORMAT)  # every field checked: UserError naming the file and field
     kind = trend or data.get("trend", "exp")
     layers = {}
     for key, entry in data["layers"].items():
