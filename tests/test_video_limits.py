@@ -206,3 +206,13 @@ def test_video_run_notes_the_centre_crop_of_non_square_frames(tmp_path, capsys):
                  "--model", "tiny:llava", "--device", "cpu", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert any(note.startswith("frames: the image is 64x48") for note in record["notes"]), record["notes"]
+
+
+def test_video_question_longer_than_the_context_is_refused(tmp_path, capsys):
+    path = _write(tmp_path / "clip.mp4", _frames(48, 64, 4))
+    question = "why " * 12_500  # ~50,000 characters, past the tiny model's 4,096 positions
+    for extra in ([], ["--gridprobe", "2"]):
+        assert main(["run", "--video", path, "--question", question, "--model", "tiny:qwen2_vl", "--device", "cpu",
+                     "--frames", "4", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "past the model's context of 4096 positions" in err and "Traceback" not in err, err
