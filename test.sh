@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv (and the Debian packages the browser/video tests use), then run the whole test suite.
+# Set up .venv (and the Debian packages the browser/video tests use), then run the whole test suite;
+# then the core contract tests on the lowest supported transformers (.venv-min).
 set -uo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh || exit 1
@@ -12,4 +13,14 @@ if [ "$status" = "5" ]; then
   echo "pytest collected no tests: the suite is missing or was filtered away" >&2
   exit 1
 fi
-exit "$status"
+[ "$status" = "0" ] || exit "$status"
+# The core contract tests again on the lowest transformers pyproject.toml allows (skip: VTPRUNE_SKIP_MIN=1).
+# Only for a whole-suite run (no test paths among the arguments).
+whole=1
+for arg in "$@"; do case "$arg" in -*) ;; *) whole=0 ;; esac; done
+if [ "${VTPRUNE_SKIP_MIN:-0}" != "1" ] && [ "$whole" = "1" ]; then
+  bash scripts/setup_min.sh || exit 1
+  .venv-min/bin/pytest -q tests/test_engine.py tests/test_serving.py tests/test_contract.py tests/test_dispatch.py
+  exit $?
+fi
+exit 0

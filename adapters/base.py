@@ -124,16 +124,17 @@ class Adapter:
         normed = layer.input_layernorm(hidden)
         head_dim = attention.head_dim
         batch, length, _ = normed.shape
+        query_index = query_index.to(normed.device)
         rows = torch.gather(normed, 1, query_index[..., None].expand(-1, -1, normed.shape[-1]))
         query = attention.q_proj(rows).view(batch, query_index.shape[1], -1, head_dim)
         key = attention.k_proj(normed).view(batch, length, -1, head_dim)
         if hasattr(attention, "q_norm"):
             query, key = attention.q_norm(query), attention.k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-        cos, sin = position_embeddings
+        cos, sin = (t.to(query.device) for t in position_embeddings)
         if cos.shape[0] != batch:
             cos, sin = cos.expand(batch, *cos.shape[1:]), sin.expand(batch, *sin.shape[1:])
-        index = query_index[..., None].expand(-1, -1, cos.shape[-1])
+        index = query_index.to(cos.device)[..., None].expand(-1, -1, cos.shape[-1])
         cos_q, sin_q = torch.gather(cos, 1, index), torch.gather(sin, 1, index)
         apply_rope = self.rotary(attention)
         query = apply_rope(query, query, cos_q, sin_q)[0]

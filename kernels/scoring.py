@@ -17,7 +17,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 TORCH_CHUNK_BYTES = 256 * 2**20  # bound on the fp32 [B, heads, Q, L] block the torch reference holds at once
 
 
-def _validate(query, key, query_positions, key_valid, query_valid, scaling) -> None:  # noqa: ANN001
+def _validate(query, key, query_positions, key_valid, query_valid, scaling, values: bool = True) -> None:  # noqa: ANN001
     """Raise ``ValueError`` naming the offending value when the inputs break the contract."""
     for name, t in (("query", query), ("key", key)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -59,6 +59,8 @@ def _validate(query, key, query_positions, key_valid, query_valid, scaling) -> N
             raise ValueError(f"{name} must be an integer tensor, got {t.dtype}; use torch.long.")
         if t.device != query.device:
             raise ValueError(f"{name} is on {t.device} but query on {query.device}; move it with .to().")
+    if not values:
+        return
     qv = torch.ones_like(query_positions, dtype=torch.bool) if query_valid is None else query_valid
     bad = qv & ((query_positions < 0) | (query_positions >= n_keys))
     if bool(bad.any()):
@@ -130,6 +132,7 @@ def visual_attention_scores(
     query_valid: torch.Tensor | None = None,
     scaling: float | None = None,
     impl: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """Softmax attention each key receives, averaged over heads and valid queries.
 
@@ -141,6 +144,8 @@ def visual_attention_scores(
         query_valid: ``[B, Q]`` bool, False excludes a query from the average; None means all valid.
         scaling: softmax scale, default ``d ** -0.5``.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+        check: also check the query positions' values (reads a device value; shapes and dtypes are always
+            checked). The engine, which builds valid positions, passes False.
 
     Returns:
         ``[B, L]`` float32; each row sums to 1 when the sample has a valid query that sees a key.
@@ -148,7 +153,7 @@ def visual_attention_scores(
     Raises:
         ValueError: bad shapes/dtypes, ``H % H_kv != 0``, ``Q < 1``, or a valid query position outside ``[0, L)``.
     """
-    _validate(query, key, query_positions, key_valid, query_valid, scaling)
+    _validate(query, key, query_positions, key_valid, query_valid, scaling, values=check)
     scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
     query, key = query.contiguous(), key.contiguous()
     query_positions = query_positions.to(torch.long).contiguous()

@@ -292,8 +292,8 @@ def test_segments_are_the_same_under_generate(model_type):
     inputs = _inputs(model_type, processor, [("q?", [random_image(120, 90, 0)]), ("q?", [random_image(60, 90, 1)])])
     handle = vtprune.wrap(model, "fastv", keep=0.5, layer=2)
     seen = []
-    original = handle.adapter.segments
-    handle.adapter.segments = lambda ids, kwargs: seen.append(original(ids, kwargs)) or seen[-1]
+    score = handle.method.score
+    handle.method.score = lambda ctx, stage: seen.append(list(ctx.segments)) or score(ctx, stage)  # computed lazily
     with torch.no_grad():
         model(**inputs)
         model.generate(**inputs, max_new_tokens=1)

@@ -45,6 +45,7 @@ def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.
         raise ValueError(
             f"this model is already wrapped ({existing!r}); call handle.remove() before wrapping it again."
         )
+    _check_not_compiled(model)
     adapter = get_adapter(model)
     _check_attention(adapter.attn_implementation)
     pruner = make_method(config.method, _method_options(config))
@@ -82,6 +83,21 @@ def _method_options(config: PruneConfig) -> dict[str, Any]:
     if config.debias:
         options.setdefault("debias", config.debias)
     return options
+
+
+def _check_not_compiled(model: nn.Module) -> None:
+    """Refuse a model compiled before wrapping: its traced graphs would silently skip the hooks."""
+    compiled = (
+        type(model).__name__ == "OptimizedModule"
+        or getattr(model, "_compiled_call_impl", None) is not None
+        or hasattr(getattr(model, "forward", None), "_torchdynamo_orig_callable")
+    )
+    if compiled:
+        raise ValueError(
+            "vtprune cannot wrap a model that torch.compile already compiled (the compiled graphs would skip "
+            "its hooks and run unpruned). Wrap the plain model first, then compile it: "
+            "`handle = vtprune.wrap(model, ...); model = torch.compile(model)`."
+        )
 
 
 def _check_attention(implementation: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,13 +27,18 @@ from torch import nn
 from vtprune import decode, prefill
 from vtprune.adapters.base import Adapter
 from vtprune.calls import CallRegistry
-from vtprune.config import PruneConfig, Stage
+from vtprune.config import PruneConfig, Stage, keep_count
 from vtprune.methods import Method
-from vtprune.state import CallState, CallStats, Timer, kept_ordinals, visual_ordinals
+from vtprune.state import CallState, CallStats, LazySegments, Timer, kept_ordinals, visual_ordinals
 
 MAX_STATS = 1000
 RECORD_INDICES = 8
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+DEEPCOPY_MESSAGE = (
+    "a model wrapped by vtprune cannot be deep-copied (its hooks belong to this handle): copy the model first "
+    "and wrap the copy (`clone = copy.deepcopy(model); vtprune.wrap(clone, ...)`), or call handle.remove() first."
+)
+PICKLE_MESSAGE = "a model wrapped by vtprune cannot be pickled; call handle.remove() first and wrap it again after loading."
 
 
 class PruneHandle:
@@ -115,16 +121,10 @@ class PruneHandle:
         self.remove()
 
     def __deepcopy__(self, memo: dict) -> PruneHandle:
-        raise TypeError(
-            "a model wrapped by vtprune cannot be deep-copied (its hooks belong to this handle): copy the model "
-            "first and wrap the copy (`clone = copy.deepcopy(model); vtprune.wrap(clone, ...)`), or call "
-            "handle.remove() before copying."
-        )
+        raise TypeError(DEEPCOPY_MESSAGE)
 
     def __getstate__(self) -> dict:
-        raise TypeError(
-            "a model wrapped by vtprune cannot be pickled; call handle.remove() first and wrap it again after loading."
-        )
+        raise TypeError(PICKLE_MESSAGE)
 
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.layer}:{s.keep:g}" for s in self.stages)
@@ -135,16 +135,21 @@ class PruneHandle:
     # -- registration -------------------------------------------------------------------------------------
     def _register(self) -> None:
         model = self.model
-        self._hooks.append(model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
-        self._hooks.append(model.register_forward_hook(self._model_post_hook, with_kwargs=True, always_call=True))
+        pre, post = EagerHook(self._model_pre_hook), EagerHook(self._model_post_hook)
+        self._hooks.append(model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+        self._hooks.append(model.register_forward_hook(post, with_kwargs=True, always_call=True))
         lm = self.adapter.language_model
-        self._hooks.append(lm.register_forward_pre_hook(self._lm_pre_hook, with_kwargs=True))
+        self._hooks.append(lm.register_forward_pre_hook(EagerHook(self._lm_pre_hook), with_kwargs=True))
         first = min((s.layer for s in self.llm_stages), default=None)
         for index, layer in enumerate(self.adapter.decoder_layers):
             if index in self.score_layers or (first is not None and index >= first):
-                hook = layer.register_forward_pre_hook(LayerHook(self, index), with_kwargs=True)
+                hook = layer.register_forward_pre_hook(EagerHook(LayerHook(self, index)), with_kwargs=True)
                 self._hooks.append(hook)
         self.method.prepare(self)
+
+    def eager(self, fn: Callable) -> EagerHook:
+        """``fn`` as a hook that torch.compile runs eagerly (methods wrap their capture hooks with it)."""
+        return EagerHook(fn)
 
     # -- whole-model hooks --------------------------------------------------------------------------
     def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -183,12 +188,16 @@ class PruneHandle:
         inputs = {**kwargs, **self.calls.request}
         inputs.pop("cache", None)
         inputs.pop("past_key_values", None)
+        counts = [int(n) for n in counts]
+        # Kept counts of every stage, moved to the device once per call (the only host-to-device copy).
+        plan = [[keep_count(stage.keep, n) for n in counts] for stage in self.stages] or [counts]
         return CallState(
-            num_visual=torch.tensor(counts, device=visual.device),
-            visual_counts=[int(n) for n in counts],
+            num_visual=visual.sum(dim=1),
+            visual_counts=counts,
             prompt_length=input_ids.shape[1],
-            stats=CallStats(visual_tokens=[int(n) for n in counts], timer=Timer(visual.device)),
-            segments=self.adapter.segments(input_ids, inputs),
+            stats=CallStats(visual_tokens=counts, timer=Timer(visual.device)),
+            stage_counts=torch.tensor(plan, device=visual.device),
+            segments=LazySegments(lambda: self.adapter.segments(input_ids, inputs)),
             inputs=inputs,
             visual=visual,
             ordinal=visual_ordinals(visual),
@@ -238,6 +247,29 @@ class PruneHandle:
         if call.decoding:
             return args, decode.lm_kwargs(call, kwargs)
         return prefill.lm_input(self, call, args, kwargs)
+
+
+class EagerHook:
+    """A hook function that torch.compile never traces (a graph break: it runs eagerly, as written).
+
+    The hooks slice tensors to data-dependent lengths and keep per-call state, which Dynamo cannot trace; a
+    wrapped model still compiles, with graph breaks at the hooks. Copying or pickling a hook is refused: it
+    belongs to its handle (see :meth:`PruneHandle.__deepcopy__`).
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        import torch._dynamo  # noqa: F401 - loaded at wrap time, never at ``import vtprune``
+
+        self.fn, self.run = fn, torch.compiler.disable(fn)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args)
+
+    def __deepcopy__(self, memo: dict) -> EagerHook:
+        raise TypeError(DEEPCOPY_MESSAGE)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(PICKLE_MESSAGE)
 
 
 class LayerHook:

@@ -156,7 +156,7 @@ class RandomPruning(Method):
 
     def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1000 + stage.layer)
-        largest = int(ctx.num_visual.max()) if ctx.num_visual.numel() else 0
+        largest = max(ctx.visual_counts, default=0)
         table = torch.rand(largest + 1, generator=generator).to(ctx.valid.device)
         return torch.where(ctx.ordinal >= 0, table[ctx.ordinal.clamp(min=0)], torch.zeros_like(table[:1]))
 

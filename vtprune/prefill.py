@@ -43,7 +43,7 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
     view = StageView(
         index=torch.arange(length, device=embeds.device).expand(batch, length),
         valid=valid, visual=call.visual & valid, ordinal=call.ordinal,
-        lengths=lengths, alive=list(call.visual_counts),
+        lengths=lengths, alive=list(call.visual_counts), alive_count=call.num_visual,
     )
     stages = handle.stages
     if stages and stages[0].layer == 0:
@@ -70,7 +70,7 @@ def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: Sta
     width = new.index.shape[1]
     identity = torch.arange(width, device=embeds.device).expand(embeds.shape[0], width)
     return kwargs, StageView(index=identity, valid=new.valid, visual=new.visual, ordinal=new.ordinal,
-                             lengths=new.lengths, alive=new.alive)
+                             lengths=new.lengths, alive=new.alive, alive_count=new.alive_count)
 
 
 def layer(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
@@ -133,6 +133,7 @@ def context(handle: PruneHandle, call: CallState, view: StageView, hidden: torch
         hidden=hidden, layer_index=index, layer=layer_module, position_embeddings=embeddings,
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
         segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
+        visual_counts=call.visual_counts,
     )
 
 
@@ -146,16 +147,18 @@ def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, stage: Stage
     call.pending_scores = None
     counts = [min(keep_count(stage.keep, n), alive) for n, alive in zip(call.visual_counts, view.alive, strict=True)]
     device = view.valid.device
-    keep = select_keep(scores.to(device), view.visual, view.valid, torch.tensor(counts, device=device),
+    counts_t = torch.minimum(call.stage_counts[handle.stages.index(stage)].to(device), view.alive_count)
+    keep = select_keep(scores.to(device), view.visual, view.valid, counts_t,
                        width=max(view.alive, default=0), k_max=max(counts, default=0))
     keep, hidden = method.refine(ctx, stage, keep, scores, hidden)
     if type(method).refine is not Method.refine:  # the method may have changed the mask: read the counts
-        alive, lengths = torch.stack([(keep & view.visual).sum(dim=1), keep.sum(dim=1)]).tolist()
+        counts_t = (keep & view.visual).sum(dim=1)
+        alive, lengths = torch.stack([counts_t, keep.sum(dim=1)]).tolist()
     else:
         alive = counts
         lengths = [text + kept for text, kept in zip(call.text_counts, counts, strict=True)]
     layout = repad_known(keep, call.left_padding, lengths)
-    new = next_view(view, layout, lengths, alive)
+    new = next_view(view, layout, lengths, alive, counts_t)
     new.index_in_previous = layout.index
     call.stats.stage_layers.append(stage.layer)
     call.stats.kept.append(list(alive))

@@ -29,8 +29,9 @@ class ScoreContext:
     visual: ``[B, L]`` bool, True on alive visual tokens.
     ordinal: ``[B, L]`` long, the visual token's index in the sample's original visual tokens (grid order),
         ``-1`` elsewhere.
-    num_visual: ``[B]`` long, original visual-token count per sample (``N0``).
-    segments: per sample, its images / videos (grids) in visual-token order.
+    num_visual: ``[B]`` long, original visual-token count per sample (``N0``); ``visual_counts`` the same
+        on the host (``list[int]``), to size tensors without reading the device.
+    segments: per sample, its images / videos (grids) in visual-token order (computed on first use).
     inputs: the model call's keyword inputs (``pixel_values``, ``image_sizes``, grids ...).
     state: per-forward scratch space of the method (cleared at each new prefill).
     """
@@ -47,6 +48,11 @@ class ScoreContext:
     adapter: Adapter
     inputs: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    visual_counts: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.visual_counts is None:
+            self.visual_counts = [int(n) for n in self.num_visual.tolist()]
 
     def last_query(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index ``[B, 1]`` of each sample's last valid slot (its last prompt token) and an all-True mask."""
@@ -62,7 +68,9 @@ class ScoreContext:
         last_visual = torch.where(self.visual, positions, torch.full_like(positions, -1)).max(dim=1).values
         chosen = self.valid & ~self.visual & (positions > last_visual[:, None])
         count = chosen.sum(dim=1)
-        width = max(int(count.max()), 1)
+        width = self.state.get("instruction_width")  # text is never pruned: read once per call
+        if width is None:
+            width = self.state["instruction_width"] = max(int(count.max()), 1)
         order = torch.sort((~chosen).to(torch.int8), dim=1, stable=True).indices[:, :width]
         mask = torch.arange(width, device=order.device)[None, :] < count[:, None]
         fallback, _ = self.last_query()
@@ -81,11 +89,14 @@ class ScoreContext:
             raise RuntimeError("attention scores need a decoder layer; the pre-LLM stage has none.")
         index, mask = self.last_query() if queries == "last" else self.instruction_queries()
         query, key = self.adapter.project_qk(self.layer, self.hidden, self.position_embeddings, index)
-        return visual_attention_scores(
+        device = query.device  # the layer's device (accelerate may have placed it elsewhere)
+        scores = visual_attention_scores(
             query,
             key,
-            query_positions=index,
-            key_valid=self.valid,
-            query_valid=mask,
+            query_positions=index.to(device),
+            key_valid=self.valid.to(device),
+            query_valid=mask.to(device),
             scaling=float(getattr(self.layer.self_attn, "scaling", query.shape[-1] ** -0.5)),
+            check=False,
         )
+        return scores.to(self.valid.device)

@@ -8,6 +8,7 @@ returns (:meth:`CallState.finish_prefill`); what decoding needs is a few ``[B, L
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +83,8 @@ class StageView:
     """The sequence seen by the layers of one stage, relative to the language model's input.
 
     ``index`` ``[B, L_s]`` points into the LM input positions, ``valid`` marks real slots; ``lengths`` (host)
-    is the number of valid slots per sample; ``kwargs`` caches the sliced layer arguments (mask, cos/sin,
+    is the number of valid slots per sample, ``alive`` (host) and ``alive_count`` (``[B]`` on the device) the
+    number of its visual tokens still alive; ``kwargs`` caches the sliced layer arguments (mask, cos/sin,
     position ids) built once per stage during prefill.
     """
 
@@ -92,6 +94,7 @@ class StageView:
     ordinal: torch.Tensor
     lengths: list[int]
     alive: list[int]
+    alive_count: torch.Tensor
     kwargs: dict[str, Any] = field(default_factory=dict)
     index_in_previous: torch.Tensor | None = None
 
@@ -118,6 +121,7 @@ class CallState:
     visual_counts: list[int]
     prompt_length: int
     stats: CallStats
+    stage_counts: torch.Tensor | None = None
     segments: list[list[VisualSegment]] | None = None
     inputs: dict[str, Any] | None = None
     visual: torch.Tensor | None = None
@@ -154,6 +158,25 @@ class CallState:
         self.inputs, self.segments, self.visual, self.ordinal = None, None, None, None
         self.method_state, self.views, self.pending_scores, self.pre_llm_index = {}, [], None, None
         self.stage_ordinals = []
+
+
+class LazySegments(Sequence):
+    """The call's per-sample segments, computed on first use (most methods never need them)."""
+
+    def __init__(self, compute: Callable[[], list]) -> None:
+        self._compute: Callable[[], list] | None = compute
+        self._value: list | None = None
+
+    def _get(self) -> list:
+        if self._value is None:
+            self._value, self._compute = self._compute(), None
+        return self._value
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
 
 
 def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
@@ -194,7 +217,8 @@ def select_keep(
     return (valid & ~visual) | chosen_mask[:, :length]
 
 
-def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[int]) -> StageView:
+def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[int],
+              alive_count: torch.Tensor) -> StageView:
     """Compose ``view`` with the re-padded ``layout`` of a keep mask over its slots (the next stage's view)."""
     return StageView(
         index=torch.gather(view.index, 1, layout.index),
@@ -203,6 +227,7 @@ def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[i
         ordinal=torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1),
         lengths=lengths,
         alive=alive,
+        alive_count=alive_count,
     )
 
 

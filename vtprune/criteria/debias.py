@@ -191,13 +191,13 @@ def debiaser_for(option: bool | str, model: Any) -> Debiaser:
 
 
 def set_image_sizes(handle: Any, sizes: list[tuple[int, int]] | None) -> None:
-    """Tell the padding mask the original ``(height, width)`` of every image of the next calls (batch order).
+    """Tell the padding mask the original ``(height, width)`` of every image of the next calls on this thread.
 
     Needed for LLaVA-1.5 when the images were padded to square (``LlavaImageProcessor(do_pad=True)`` or the
     original ``expand2square``): the model call has no argument that carries them. Pass None to clear.
     LLaVA-NeXT reads the processor's ``image_sizes`` from the call instead.
     """
-    handle.method.padding_image_sizes = None if sizes is None else [tuple(int(v) for v in s) for s in sizes]
+    handle.set_image_sizes(sizes)
 
 
 def apply_debias(method: Any, ctx: Any, scores: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,8 @@ class TokenTransitionVariation(Method):
             layer = handle.adapter.decoder_layers[index]
             for part, norm, block in (("attn", layer.input_layernorm, layer.self_attn),
                                       ("mlp", layer.post_attention_layernorm, layer.mlp)):
-                handle.add_hook(norm.register_forward_hook(self._save_input(index, part)))
-                handle.add_hook(block.register_forward_hook(self._save_terms(index, part)))
+                handle.add_hook(norm.register_forward_hook(handle.eager(self._save_input(index, part))))
+                handle.add_hook(block.register_forward_hook(handle.eager(self._save_terms(index, part))))
 
     def _save_input(self, index: int, part: str):
         def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
@@ -113,15 +113,16 @@ class TokenTransitionVariation(Method):
         batch = ctx.valid.shape[0]
         total = ctx.state.get("ttv")
         if total is None:
-            total = torch.zeros(batch, int(ctx.num_visual.max()) + 1, device=ctx.valid.device)
+            total = torch.zeros(batch, max(ctx.visual_counts, default=0) + 1, device=ctx.valid.device)
         for magnitude, direction in ctx.state.pop("ttv_pending", []):
+            magnitude, direction = magnitude.to(ctx.valid.device), direction.to(ctx.valid.device)
             if magnitude.shape != ctx.valid.shape:
                 raise RuntimeError(f"TTV captured for {tuple(magnitude.shape)} slots but the stage has "
                                    f"{tuple(ctx.valid.shape)}; a hook saw another layout.")
             value = ttv(magnitude, direction, ctx.valid)
-            alive = ctx.ordinal >= 0
-            rows = torch.arange(batch, device=value.device)[:, None].expand_as(ctx.ordinal)
-            total = total.index_put((rows[alive], ctx.ordinal[alive]), value[alive], accumulate=True)
+            # Scatter by ordinal; slots without one add 0 to the spare last column (no boolean indexing).
+            slot = torch.where(ctx.ordinal >= 0, ctx.ordinal, total.shape[1] - 1)
+            total = total.scatter_add(1, slot, torch.where(ctx.ordinal >= 0, value, 0.0).to(total.dtype))
         ctx.state["ttv"] = total
         gathered = total.gather(1, ctx.ordinal.clamp(min=0))
         return torch.where(ctx.ordinal >= 0, gathered, torch.zeros_like(gathered))

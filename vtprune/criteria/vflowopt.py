@@ -135,8 +135,9 @@ class VFlowOpt(Method):
         self._adapter, self._handle = adapter, handle
         self._stats = vit.pixel_statistics(adapter, self.image_mean, self.image_std)
         self._patch = int(adapter.config.vision_config.patch_size)
-        handle.add_hook(adapter.vision_tower.register_forward_pre_hook(self._grab_pixels, with_kwargs=True))
-        handle.add_hook(layers[index].register_forward_pre_hook(self._grab_layer, with_kwargs=True))
+        tower = adapter.vision_tower
+        handle.add_hook(tower.register_forward_pre_hook(handle.eager(self._grab_pixels), with_kwargs=True))
+        handle.add_hook(layers[index].register_forward_pre_hook(handle.eager(self._grab_layer), with_kwargs=True))
 
     def _grab_pixels(self, module: Any, args: tuple, kwargs: dict) -> None:
         state = self._handle.call_state(outside=True)  # generate() runs the tower before its first forward
