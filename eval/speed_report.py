@@ -1,8 +1,8 @@
 """Markdown table and PNG plots of a ``vtprune bench --speed`` CSV.
 
-Usage (regenerate from a CSV, e.g. after a run was cut short)::
+Usage (regenerate from a CSV, e.g. after a run was cut short; ``--merge`` first concatenates split runs)::
 
-    python -m vtprune.eval.speed_report docs/results/speed-proxy [--max-spread 1.25]
+    python -m vtprune.eval.speed_report docs/results/speed-proxy [--max-spread 1.25] [--merge a.csv b.csv]
 
 Writes ``speed.md`` (one line per geometry x batch x method x keep, hook overhead and sync summary,
 conditions), ``speedup_vs_keep.png`` (measured vs FLOP-predicted speedup of prefill, decode and end to end,
@@ -198,12 +198,34 @@ def write_report(csv_path: Path, out: Path, max_spread: float = 1.25) -> None:
     plot(rows, Path(out))
 
 
+def merge_csvs(paths: list[Path], target: Path) -> None:
+    """Concatenate speed CSVs (runs split by geometry or batch) into ``target``."""
+    rows: list[dict] = []
+    fields: list[str] | None = None
+    for path in paths:
+        with Path(path).open() as f:
+            reader = csv.DictReader(f)
+            if fields is not None and reader.fieldnames != fields:
+                raise SystemExit(f"{path}: its columns differ from {paths[0]}; rerun both with the same vtprune.")
+            fields = list(reader.fieldnames or [])
+            rows += list(reader)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or [])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="folder holding speed.csv (outputs land there)")
     parser.add_argument("--max-spread", type=float, default=1.25)
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="first concatenate these speed.csv files (same columns) into <folder>/speed.csv")
     args = parser.parse_args(argv)
     path = args.folder / "speed.csv"
+    if args.merge:
+        merge_csvs(args.merge, path)
     if not path.exists():
         parser.error(f"{path} does not exist; run 'vtprune bench --speed --out {args.folder}' first.")
     write_report(path, args.folder, args.max_spread)
