@@ -226,3 +226,27 @@ def test_training_mode_runs_unpruned_with_a_warning():
         model.eval()
     torch.testing.assert_close(pruned, reference, atol=0, rtol=0)
     assert handle.last_stats is None
+
+
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+def test_no_host_sync_in_decode_hooks(model_type):
+    """Zero host-device syncs inside the hooks in every decode step; a few per prefill, not per layer."""
+    from vtprune.eval.syncs import count_syncs, watch_hooks
+
+    model, processor = _model(model_type)
+    inputs = tiny_inputs(processor, model_type, _samples(model_type))
+    cases = [("fastv", {}), ("pdrop", {}), ("ttv", {}), ("transprune", {}), ("random", {"layer": 0}),
+             ("per_frame", {}), ("oracle", {}), ("none", {})]
+    if model_type == "llava":
+        cases += [("vflowopt", {}), ("pdrop", {"positions": "compact"})]
+    for method, options in cases:
+        with torch.no_grad(), vtprune.apply(model, method, keep=0.4, **options) as handle, \
+                watch_hooks(handle) as hooks, count_syncs(only=hooks.inside, group=hooks.phase) as syncs:
+            if method == "oracle":
+                handle.set_evidence([torch.rand(200), torch.rand(200)])
+            model.generate(**inputs, max_new_tokens=6, do_sample=False)
+        assert hooks.forwards["decode"] == 5
+        assert sum(syncs.by_group.get("decode", {}).values()) == 0, (method, syncs.by_group["decode"])
+        if method in ("fastv", "pdrop", "ttv", "transprune", "random", "none"):
+            # The engine's own: visual counts, LM lengths, one plan copy, kept indices (+1 instruction width).
+            assert sum(syncs.by_group["prefill"].values()) <= 5, (method, syncs.by_group["prefill"])
