@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-
 from vtprune.eval.provenance import git_state, weights_fingerprint
 
 METHODS = ("fastv", "pdrop", "transprune", "vflowopt", "random@0")
@@ -85,8 +84,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", default="runs/footprint")
     args = parser.parse_args(argv)
     import transformers
-
     from vtprune.eval.shapes import make_split
+
     from vtprune.loading import load, model_label
     from vtprune.pipeline import build_inputs
 
