@@ -28,18 +28,19 @@ def _visual_positions(model, ids: torch.Tensor) -> torch.Tensor:
 def _positions(model, inputs: dict, ids: torch.Tensor) -> torch.Tensor:
     """Position ids of ``ids`` (``[1, L]``; ``[3, 1, L]`` M-RoPE for Qwen-VL), as the model computes them."""
     if not model.config.model_type.startswith("qwen"):
-        return torch.arange(ids.shape[1])[None]
+        return torch.arange(ids.shape[1], device=ids.device)[None]
     extra = ids.shape[1] - inputs["input_ids"].shape[1]
-    types = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, extra, dtype=inputs["mm_token_type_ids"].dtype)], 1)
+    given = inputs["mm_token_type_ids"]
+    types = torch.cat([given, torch.zeros(1, extra, dtype=given.dtype, device=given.device)], 1)
     grids = {k: inputs.get(k) for k in ("image_grid_thw", "video_grid_thw")}
     positions, _ = model.model.get_rope_index(ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=types,
                                               **grids)
     return positions
 
 
-def _causal(n: int, dtype: torch.dtype) -> torch.Tensor:
-    allowed = torch.ones(n, n, dtype=torch.bool).tril()
-    return torch.zeros(1, 1, n, n, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+def _causal(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return torch.zeros(1, 1, n, n, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 @torch.no_grad()
@@ -51,8 +52,9 @@ def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], ke
     extra = ids.shape[1] - inputs["input_ids"].shape[1]
     full = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     if "mm_token_type_ids" in inputs:
+        given = inputs["mm_token_type_ids"]
         full["mm_token_type_ids"] = torch.cat(
-            [inputs["mm_token_type_ids"], torch.zeros(1, extra, dtype=inputs["mm_token_type_ids"].dtype)], 1)
+            [given, torch.zeros(1, extra, dtype=given.dtype, device=given.device)], 1)
     if not stages:
         return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **full).logits[0, -1]
     captured = {}
@@ -68,19 +70,19 @@ def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], ke
     hidden = captured["hidden"]
     positions = _positions(model, inputs, ids)
     visual = _visual_positions(model, ids)
-    alive = torch.arange(ids.shape[1])
+    alive = torch.arange(ids.shape[1], device=ids.device)
     bounds = [*stages, len(lm.layers)]
     for stage, kept_ordinals in enumerate(kept):
-        keep = torch.ones(ids.shape[1], dtype=torch.bool)
+        keep = torch.ones(ids.shape[1], dtype=torch.bool, device=ids.device)
         keep[visual] = False
-        keep[visual[torch.tensor(kept_ordinals, dtype=torch.long)]] = True
+        keep[visual[torch.tensor(kept_ordinals, dtype=torch.long, device=ids.device)]] = True
         selected = keep[alive]
         hidden, alive = hidden[:, selected], alive[selected]
         stage_positions = positions[..., alive]
         if compact:
-            stage_positions = torch.arange(alive.numel())[None]
+            stage_positions = torch.arange(alive.numel(), device=ids.device)[None]
         cos, sin = lm.rotary_emb(hidden, stage_positions)
-        mask = _causal(alive.numel(), hidden.dtype)
+        mask = _causal(alive.numel(), hidden.dtype, hidden.device)
         for index in range(bounds[stage], bounds[stage + 1]):
             out = lm.layers[index](hidden, attention_mask=mask, position_ids=None, position_embeddings=(cos, sin))
             hidden = out[0] if isinstance(out, tuple) else out
@@ -102,5 +104,5 @@ def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int
         token = int(choice.argmax())
         tokens.append(token)
         logits.append(step_logits)
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return torch.tensor(tokens), torch.stack(logits)
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+    return torch.tensor(tokens), torch.stack(logits).cpu()
