@@ -1,0 +1,80 @@
+"""The selection of every method stays bit-identical across refactors: kept indices of every stage, every
+method x family (SDPA, keep 0.4, a ragged batch of 2, debias variants included), against a committed file.
+
+Regenerate (only when a selection change is intended, and say why in the commit):
+``python tests/test_selection_golden.py --write``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vtprune
+from vtprune.testing import TINY_TYPES, random_image, tiny_inputs, tiny_model
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "selection_golden.json"
+CASES = ["fastv", "fastv+debias", "pdrop", "pdrop+debias", "ttv", "transprune", "transprune+debias", "vflowopt",
+         "random", "random@0", "oracle", "per_frame", "pdrop@compact"]
+
+
+@functools.cache
+def _model(model_type: str):
+    return tiny_model(model_type, "sdpa", image_size=112)
+
+
+def _options(case: str, model_type: str) -> tuple[str, dict] | None:
+    method, _, variant = case.partition("@")
+    options: dict = {}
+    if variant == "0":
+        if model_type == "qwen3_vl":
+            return None
+        options["layer"] = 0
+    if variant == "compact":
+        if model_type.startswith("qwen"):
+            return None
+        options["positions"] = "compact"
+    if method == "vflowopt" and model_type.startswith("qwen"):
+        return None
+    if model_type == "qwen3_vl" and method.split("+")[0] in ("pdrop", "ttv", "transprune"):
+        options["schedule"] = "2:0.6,3:0.4"
+    return method, options
+
+
+def selection(case: str, model_type: str) -> list | None:
+    spec = _options(case, model_type)
+    if spec is None:
+        return None
+    method, options = spec
+    model, processor = _model(model_type)
+    if model_type.startswith("qwen"):
+        samples = [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
+    else:
+        samples = [("what color is the circle?", [random_image(120, 90, 1)]),
+                   ("how many squares are there?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
+    inputs = tiny_inputs(processor, model_type, samples)
+    with torch.no_grad(), vtprune.apply(model, method, keep=0.4, **options) as handle:
+        if method == "oracle":
+            counts = handle.adapter.visual_mask(inputs["input_ids"]).sum(dim=1).tolist()
+            generator = torch.Generator().manual_seed(7)
+            handle.set_evidence([torch.rand(int(n), generator=generator) for n in counts])
+        model(**inputs)
+        return {"stages": [[s.layer, s.keep] for s in handle.stages], "kept": handle.last_stats.kept_indices}
+
+
+@pytest.mark.parametrize("model_type", TINY_TYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_selection_is_unchanged(case, model_type):
+    golden = json.loads(GOLDEN.read_text())
+    assert selection(case, model_type) == golden[f"{case}/{model_type}"]
+
+
+if __name__ == "__main__" and "--write" in sys.argv:
+    torch.set_num_threads(1)
+    GOLDEN.write_text(json.dumps({f"{c}/{t}": selection(c, t) for c in CASES for t in TINY_TYPES}))
+    print(f"wrote {GOLDEN}")
