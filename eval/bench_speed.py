@@ -9,8 +9,8 @@ LLaVA-1.5-7B and Qwen2.5-VL-7B language models) and a tiny vision tower. Per blo
    vtprune's hooks per prefill and per decode step, and the whole call's syncs minus the unwrapped model's;
 2. ``--repeats`` timed ``generate`` runs of ``--speed-new-tokens`` tokens per config, round robin over
    the configs (so a slow spell of the shared machine hits them all): end to end, prefill, decode per
-   token, host time inside the hooks (``vtprune.eval.speed_measure``); the first run also gives the KV-cache
-   bytes summed over the cache tensors and, on CUDA, the peak allocated memory;
+   token, host time inside the hooks (``vtprune.eval.speed_measure``); the first run's cache gives the
+   KV-cache bytes (summed over the cache tensors, read after the timer stops) and, on CUDA, the peak memory;
 3. on CPU, the peak-RSS delta of each call, measured afterwards in one fresh subprocess
    (``vtprune.eval.speed_memory``) with a fixed malloc mmap threshold, so freed tensors leave the RSS.
 
@@ -252,7 +252,6 @@ def _warm_up(model, inputs: dict, cfg: tuple[str, float], args, tokens: int) -> 
 def _timed(model, inputs: dict, cfg: tuple[str, float], args, plan, first: bool, record: dict):
     """One timed run; the first also measures KV-cache bytes (and CUDA peak memory)."""
     from vtprune.eval.speed_measure import (
-        generate_with_cache,
         kv_cache_measured,
         output_cache,
         timed_generate,
@@ -265,11 +264,11 @@ def _timed(model, inputs: dict, cfg: tuple[str, float], args, plan, first: bool,
         with _wrap(model, cfg[0], cfg[1], args.layer) as handle:
             with watch_hooks(handle) if handle is not None else nullcontext(None) as watch:
                 cuda_memory = first and args.speed_memory == "auto" and plan["device"].startswith("cuda")
-                timing = timed_generate(model, inputs, plan["new_tokens"], watch, track_memory=cuda_memory)
+                timing = timed_generate(model, inputs, plan["new_tokens"], watch, track_memory=cuda_memory,
+                                        keep_output=first)
             if first:
-                output = generate_with_cache(model, inputs, plan["new_tokens"])
-                record["kv_bytes"], record["kv_lengths"] = kv_cache_measured(output_cache(output))
-                del output
+                record["kv_bytes"], record["kv_lengths"] = kv_cache_measured(output_cache(timing.output))
+                timing.output = None
         return timing
     except (RuntimeError, ValueError) as error:
         record["status"] = _status(error)

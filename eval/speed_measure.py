@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,7 @@ class RunTiming:
     hook_prefill_us: float = float("nan")
     hook_decode_us: float = float("nan")
     peak_bytes: int | None = None
+    output: Any = field(default=None, repr=False)  # the generate output, when asked for (its cache)
 
 
 @dataclass
@@ -72,11 +74,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_generate(model, inputs: dict, new_tokens: int, watch=None, track_memory: bool = False) -> RunTiming:
+def timed_generate(model, inputs: dict, new_tokens: int, watch=None, track_memory: bool = False,
+                   keep_output: bool = False) -> RunTiming:
     """Time one greedy ``generate`` of exactly ``new_tokens`` tokens (see the module docstring).
 
     ``watch``: a ``HookWatch`` whose counters are reset and read for the hook times. ``track_memory``: on
-    CUDA, the call's peak allocated bytes above what was allocated before it.
+    CUDA, the call's peak allocated bytes above what was allocated before it. ``keep_output``: return the
+    generate output (with its cache) in ``timing.output``; the caller should drop it soon.
     """
     from transformers import LogitsProcessorList
 
@@ -90,8 +94,8 @@ def timed_generate(model, inputs: dict, new_tokens: int, watch=None, track_memor
     _sync(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       logits_processor=LogitsProcessorList([clock]))
+        output = model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False,
+                                logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=keep_output)
     _sync(device)
     end = time.perf_counter()
     stamps = clock.stamps
@@ -107,6 +111,8 @@ def timed_generate(model, inputs: dict, new_tokens: int, watch=None, track_memor
         timing.hook_decode_us = watch.per_forward_us("decode")
     if track_memory and device.type == "cuda":
         timing.peak_bytes = int(torch.cuda.max_memory_allocated(device) - before)
+    if keep_output:
+        timing.output = output
     return timing
 
 
@@ -131,8 +137,7 @@ def kv_cache_measured(cache) -> tuple[int, list[int]]:
 def generate_with_cache(model, inputs: dict, new_tokens: int):
     """Greedy ``generate`` returning its output (``.cache`` or ``.past_key_values`` holds the cache)."""
     with torch.inference_mode():
-        return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              return_dict_in_generate=True)
+        return model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
 
 
 def output_cache(output):
@@ -169,6 +174,19 @@ def predict(shape: LMShape, base: Sequence[int], pruned: Sequence[int], new_toke
         "kv_bytes_predicted": kv_cache_bytes(shape, [n + new_tokens - 1 for n in pruned], bytes_per_value, batch),
         "prefill_gflops": prefill_flops(shape, pruned, 1, batch) / 1e9,
     }
+
+
+def split_prediction(e2e_base_ms: float, prefill_base_ms: float, predicted_prefill: float,
+                     predicted_decode: float) -> float:
+    """End-to-end speedup if prefill and decode each sped up by their FLOP prediction (Amdahl on the split).
+
+    The baseline's measured time splits into prefill and the rest (decode steps and ``generate``'s own
+    work); each part is divided by its predicted speedup. Unlike the pure FLOP ratio this weighs decode by
+    the time it takes, which on small or memory-bound steps is far more than its share of the FLOPs.
+    """
+    rest = e2e_base_ms - prefill_base_ms
+    pruned = prefill_base_ms / predicted_prefill + rest / predicted_decode
+    return e2e_base_ms / pruned if pruned > 0 else float("nan")
 
 
 def stages_of(handle) -> list[tuple[int, list[int]]]:

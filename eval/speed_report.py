@@ -37,6 +37,17 @@ def _x(row: dict, part: str) -> str:
     return "n/a" if measured != measured else f"{measured:.2f}x ({predicted:.2f}x)"
 
 
+def _e2e(row: dict) -> str:
+    from vtprune.eval.speed_measure import split_prediction
+
+    measured = _f(row["speedup_e2e"])
+    if measured != measured:
+        return "n/a"
+    split = split_prediction(_f(row["e2e_base_ms_p50"]), _f(row["prefill_base_ms_p50"]), _f(row["predicted_prefill"]),
+                             _f(row["predicted_decode"]))
+    return f"{measured:.2f}x ({_f(row['predicted_e2e']):.2f}x / {split:.2f}x)"
+
+
 def _mb(value) -> str:
     number = _f(value)
     return "n/a" if number != number else f"{number / 2**20:.1f}"
@@ -45,7 +56,7 @@ def _mb(value) -> str:
 def markdown(rows: list[dict], max_spread: float = 1.25) -> str:
     """The report: main table, hook overhead and syncs per method, flagged spreads, conditions."""
     lines = [
-        "| geometry | batch | method | keep | e2e ms p50 [p20-p80] | end to end (pred.) | prefill (pred.) | "
+        "| geometry | batch | method | keep | e2e ms p50 [p20-p80] | end to end (FLOP pred. / split pred.) | prefill (pred.) | "
         "decode (pred.) | decode ms/token | hook µs/step (% of step) | KV MB (pred.) | peak MB | samples/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -60,7 +71,7 @@ def markdown(rows: list[dict], max_spread: float = 1.25) -> str:
         hook = "" if r["method"] == "none" else f"{_f(r['hook_time_decode_us']):.0f} ({_f(r['hook_time_decode_pct']):.2f}%)"
         lines.append(
             f"| {r['geometry']} | {r['batch']} | {r['method']} | {_f(r['keep']):g} | {_f(r['e2e_ms_p50']):.1f} "
-            f"[{_f(r['e2e_ms_p20']):.1f}-{_f(r['e2e_ms_p80']):.1f}]{mark} | {_x(r, 'e2e')} | {_x(r, 'prefill')} | "
+            f"[{_f(r['e2e_ms_p20']):.1f}-{_f(r['e2e_ms_p80']):.1f}]{mark} | {_e2e(r)} | {_x(r, 'prefill')} | "
             f"{_x(r, 'decode')} | {_f(r['decode_ms_p50']):.2f} | {hook} | {_mb(r['kv_bytes'])} "
             f"({_mb(r['kv_bytes_predicted'])}) | {r['peak_mem_mb'] or 'n/a'} | {_f(r['throughput']):.3f} |")
     lines += ["", *overhead_table(rows), "", *notes(rows, max_spread, flagged), "", conditions_line(rows)]
@@ -92,7 +103,10 @@ def notes(rows: list[dict], max_spread: float, flagged: int) -> list[str]:
            f"† marks the {flagged} row(s) whose p80/p20 (baseline or pruned, end to end) exceeds {max_spread:g}: "
            "their speedups are within the noise."]
     out.append("Speedups are p50 ratios; (pred.) is the FLOP-predicted ratio on the padded per-layer lengths "
-               "(vision tower excluded). Decode = mean generate step after the first token. Overhead = decode "
+               "(vision tower excluded); split pred. applies the prefill and decode predictions to the baseline's "
+               "measured prefill / rest split (decode steps cost far more time per FLOP than prefill, so the pure "
+               "FLOP ratio overstates the end-to-end gain). Decode = mean generate step after the first token. "
+               "Overhead = decode "
                "step p50 at keep 1.0 minus the unwrapped p50 (noisy when small); inside hooks = host time "
                "measured in vtprune's hooks. KV = bytes of the cache tensors after generate (prompt + new "
                "tokens - 1). Peak memory: " + (first.get("mem_method") or "n/a") + ".")

@@ -8,7 +8,7 @@ the LM head: 2 * 4 * 10 = 80 per position.
 from __future__ import annotations
 
 import pytest
-from vtprune.eval.speed_measure import layer_lengths, percentiles, predict, spread
+from vtprune.eval.speed_measure import layer_lengths, percentiles, predict, split_prediction, spread
 
 from vtprune.flops import (
     LMShape,
@@ -72,3 +72,9 @@ def test_percentiles_and_spread():
     assert spread(values) == pytest.approx(42.0 / 18.0)
     assert spread([5.0]) == 1.0
     assert all(v != v for v in percentiles([]).values())
+
+
+def test_split_prediction_weighs_decode_by_its_time():
+    # baseline 1000 ms: prefill 600, rest 400; prefill 3x faster, decode 1.25x -> 200 + 320 = 520 ms
+    assert split_prediction(1000.0, 600.0, 3.0, 1.25) == pytest.approx(1000.0 / 520.0)
+    assert split_prediction(1000.0, 1000.0, 2.0, 1.0) == pytest.approx(2.0)
