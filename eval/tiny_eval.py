@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 from vtprune.eval import shapes as S
+from vtprune.eval.shapes_dense import DENSE_QTYPES
+
+QTYPE_KEYS: tuple[str, ...] = S.QTYPES + tuple(q for q in DENSE_QTYPES if q not in S.QTYPES)  # both task versions
 
 
 def llava_prompt(processor, question: str) -> str:
@@ -46,14 +49,15 @@ def evaluate(model, processor, samples: list[S.ImageSample], batch_size: int = 6
     return acc
 
 
-def plot_curve(rows: list[dict], path: Path, keys: tuple[str, ...] = ("overall",) + S.QTYPES + ("video",)) -> None:
+def plot_curve(rows: list[dict], path: Path, keys: tuple[str, ...] = ("overall",) + QTYPE_KEYS + ("video",)) -> None:
     """Tiny dependency-free PNG of eval accuracy vs. training minutes (PIL only)."""
     w, h, m = 640, 400, 48
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     d.rectangle([m, m // 2, w - m // 2, h - m], outline="black")
     tmax = max([r["minutes"] for r in rows] + [1e-6])
-    colors = ["black", "red", "green", "blue", "orange", "purple", "brown", "gray", "magenta"]
+    keys = tuple(k for k in keys if any(k in r for r in rows))
+    colors = ["black", "red", "green", "blue", "orange", "purple", "brown", "teal", "gray", "magenta"]
     for y in (0.25, 0.5, 0.75, 1.0):
         yy = h - m - y * (h - 1.5 * m)
         d.line([m, yy, w - m // 2, yy], fill=(220, 220, 220))
@@ -80,7 +84,7 @@ def write_card(out: Path, info: dict, curve: list[dict], test_acc: dict[str, flo
     """Write README.md (model card) and learning_curve.png into ``out``."""
     if curve:
         plot_curve(curve, out / "learning_curve.png")
-    keys = ("overall",) + S.QTYPES + ("video", "video_blind", "video_open")
+    keys = ("overall",) + QTYPE_KEYS + ("video", "video_blind", "video_open")
     cols = ["minutes", "step", "loss", "aux_loss"] + [k for k in keys if curve and k in curve[-1]]
     test = ("Accuracy per question type on the held-out **test** split (no pruning, exact match):\n\n"
             + _table([{k: float(v) for k, v in test_acc.items()}], list(test_acc)) if test_acc

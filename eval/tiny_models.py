@@ -39,9 +39,13 @@ LLAVA_CHAT_TEMPLATE = (
 )
 
 
-def task_words() -> list[str]:
-    """Every word the shapes task (images and videos) can produce, in a stable order."""
-    texts = list(S.TEMPLATES.values()) + list(S.VIDEO_TEMPLATES.values()) + [S.VIDEO_SUFFIX]
+def task_words(extra_texts: tuple[str, ...] = ()) -> list[str]:
+    """Every word the shapes task (images and videos) can produce, in a stable order.
+
+    ``extra_texts`` (templates and answers of another task version) add their new words at the end, so the
+    ids of the first version's words do not move.
+    """
+    texts = list(S.TEMPLATES.values()) + list(S.VIDEO_TEMPLATES.values()) + [S.VIDEO_SUFFIX] + list(extra_texts)
     words: list[str] = list(CHAT_WORDS)
     fill = list(S.COLORS) + list(S.SHAPES) + list(S.PLURALS.values()) + list(S.QUADRANTS) + list(S.YES_NO)
     fill += list(S.OPTION_LETTERS) + [str(d) for d in range(10)] + [f"##{d}" for d in range(10)]
@@ -56,14 +60,15 @@ def task_words() -> list[str]:
 
 
 def build_tokenizer(
-    extra_specials: tuple[str, ...] = (), named: dict[str, str] | None = None
+    extra_specials: tuple[str, ...] = (), named: dict[str, str] | None = None, extra_texts: tuple[str, ...] = ()
 ) -> PreTrainedTokenizerFast:
     """Whole-word tokenizer; ids 0..4 are ``<pad> <s> </s> <unk> <image>``, then ``extra_specials``.
 
-    ``named`` sets the processor-visible special tokens (default ``{"image_token": "<image>"}``).
+    ``named`` sets the processor-visible special tokens (default ``{"image_token": "<image>"}``);
+    ``extra_texts`` adds the words of another task version (:func:`task_words`).
     """
     specials = list(SPECIALS) + list(extra_specials)
-    vocab = {t: i for i, t in enumerate(specials + task_words())}
+    vocab = {t: i for i, t in enumerate(specials + task_words(extra_texts))}
     tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="<unk>", max_input_chars_per_word=64))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"[^A-Za-z0-9\-#]"), behavior="isolated")]
@@ -132,13 +137,15 @@ class AuxHead(nn.Module):
     ``digit`` label per 28 px Qwen token cannot carry it, and 8 px digits never cover 25 % of such a token).
     """
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, heads: dict[str, int] | None = None, slots: dict[str, int] | None = None):
         super().__init__()
-        self.heads = nn.ModuleDict({k: nn.Linear(width, n * AUX_SLOTS.get(k, 1)) for k, n in AUX_HEADS.items()})
+        self.sizes = dict(AUX_HEADS if heads is None else heads)
+        slots = AUX_SLOTS if slots is None else slots
+        self.heads = nn.ModuleDict({k: nn.Linear(width, n * slots.get(k, 1)) for k, n in self.sizes.items()})
 
     def forward(self, feats: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy over heads; ``feats`` [B, P, D], labels [B, P] (or [B, P, slots]) each."""
-        losses = [nn.functional.cross_entropy(h(feats).reshape(-1, AUX_HEADS[k]), labels[k].flatten())
+        losses = [nn.functional.cross_entropy(h(feats).reshape(-1, self.sizes[k]), labels[k].flatten())
                   for k, h in self.heads.items()]
         return torch.stack(losses).mean()
 
@@ -288,8 +295,12 @@ class LlavaBatcher:
     turn sees exactly the single-turn prompt ``USER: <image>\n{q} ASSISTANT:`` it is evaluated with.
     """
 
-    def __init__(self, tok, image_size: int, patch_size: int = 14):
+    def __init__(self, tok, image_size: int, patch_size: int = 14, questions=None, labels=None):
+        """``questions(sample, rng)`` and ``labels(objects, grid, patch)`` default to this task version's
+        :func:`training_questions` and :func:`patch_labels` (another task version passes its own)."""
         self.tok = tok
+        self.questions = questions or training_questions
+        self.labels = labels or patch_labels
         self.patch = patch_size
         self.grid = image_size // patch_size
         self.n_img = self.grid * self.grid
@@ -316,17 +327,17 @@ class LlavaBatcher:
         return ids, labels, segments
 
     def __call__(self, samples: list[S.ImageSample], rng: np.random.Generator) -> dict[str, torch.Tensor]:
-        seqs = [self.conversation(training_questions(s, rng)) for s in samples]
+        seqs = [self.conversation(self.questions(s, rng)) for s in samples]
         n = max(len(i) for i, _, _ in seqs)
         pad = self.tok.pad_token_id
         ids = torch.tensor([i + [pad] * (n - len(i)) for i, _, _ in seqs])
         lab = torch.tensor([lb + [-100] * (n - len(lb)) for _, lb, _ in seqs])
         seg = torch.tensor([sg + [-1] * (n - len(sg)) for _, _, sg in seqs])
-        aux = [patch_labels(s.objects, self.grid, self.patch) for s in samples]
+        aux = [self.labels(s.objects, self.grid, self.patch) for s in samples]
         inputs = {"input_ids": ids, "pixel_values": to_pixels([s.image for s in samples]),
                   "attention_mask": packed_attention(seg), "position_ids": packed_positions(seg)}
         return {"inputs": inputs, "labels": lab,
-                "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in AUX_HEADS}}
+                "aux": {k: torch.from_numpy(np.stack([a[k] for a in aux])) for k in aux[0]}}
 
 
 def to_pixels(images) -> torch.Tensor:
@@ -335,9 +346,13 @@ def to_pixels(images) -> torch.Tensor:
     return torch.from_numpy(((arr - CLIP_MEAN) / CLIP_STD).transpose(0, 3, 1, 2).copy())
 
 
-def check_consistency(processor, batcher: LlavaBatcher, cfg: S.ShapesConfig) -> None:
-    """Every packed turn must equal what the shipped processor + chat template produce for it alone."""
-    s = S.generate_image_sample(S.SPLIT_SEEDS["val"], 0, cfg)
+def check_consistency(processor, batcher: LlavaBatcher, cfg: S.ShapesConfig, sample: S.ImageSample | None = None
+                      ) -> None:
+    """Every packed turn must equal what the shipped processor + chat template produce for it alone.
+
+    Checked on ``sample`` (default: the first ``val`` image of this task version at ``cfg``).
+    """
+    s = sample or S.generate_image_sample(S.SPLIT_SEEDS["val"], 0, cfg)
     ids, _, segments = batcher.conversation(s.questions[:2])
     for turn, q in enumerate(s.questions[:2], start=1):
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q.text}]},

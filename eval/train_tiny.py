@@ -8,6 +8,12 @@ answer), each answer weighing the same in the loss, plus a dense per-patch auxil
 (colour, shape, digit and image quadrant of every patch); the auxiliary head is not part of the saved model.
 The learning rate follows warmup + cosine over ``--steps`` or, with ``--minutes``, over the wall-clock budget.
 The current best checkpoint (by validation accuracy) is exported every ``--export-every`` minutes.
+
+``--task dense`` trains the 64-token LLaVA on the dense task version (224 px, 6-12 objects, one digit per
+28 px patch, 3x3 ``where3``; :mod:`vtprune.eval.shapes_dense`, :mod:`vtprune.eval.tiny_dense`); its default
+workdir is ``runs/llava64`` and its export ``runs/llava64/export`` (never the shipped models). Long runs
+go in legs: ``--leg-minutes`` stops a leg with a checkpoint, ``--resume`` (or ``--resume-from FILE``, e.g.
+the committed compact checkpoint) continues it on the same ``--steps`` schedule.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from vtprune.eval import shapes as S
+from vtprune.eval import tiny_dense as TD
 from vtprune.eval import tiny_eval as E
 from vtprune.eval import tiny_models as M
 from vtprune.eval import tiny_qwen as Q
@@ -34,13 +41,20 @@ from vtprune.embedded import EMBEDDED_MODELS, MODELS_DIR
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=["llava", "qwen2_vl"], default="llava")
+    p.add_argument("--task", choices=["shapes", "dense"], default="shapes",
+                   help="task version: shapes (112 px, 16 tokens) or dense (224 px, 64 tokens, LLaVA only)")
     p.add_argument("--out", type=Path, default=None, help="export folder (default: vtprune/models/<name>)")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoints/logs (default: .train/<arch>)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
     p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
-    p.add_argument("--image-size", type=int, default=112, help="training image size in px")
+    p.add_argument("--image-size", type=int, default=None, help="training image size in px (112; dense: 224)")
     p.add_argument("--patch-size", type=int, default=28,
                    help="LLaVA CLIP patch in px (28: one token per object, as Qwen's merged tokens; 14: fragments)")
+    p.add_argument("--vision-width", type=int, default=128)
+    p.add_argument("--text-width", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4, help="layers of the vision tower and of the LM (dense)")
+    p.add_argument("--curriculum-steps", type=int, default=1500,
+                   help="dense: scene difficulty ramps 0 -> 1 over these steps (0: full difficulty from the start)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
@@ -56,7 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-images", type=int, default=60)
     p.add_argument("--test-images", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from <workdir>/ckpt.pt")
+    p.add_argument("--resume-from", type=Path, default=None,
+                   help="continue from this checkpoint file (e.g. the committed compact one) when the workdir has none")
+    p.add_argument("--leg-minutes", type=float, default=None,
+                   help="stop this process after so many training minutes, checkpoint saved, no test (resume later)")
     a = p.parse_args(argv)
+    if a.image_size is None:
+        a.image_size = 224 if a.task == "dense" else 112
+    if a.task == "dense" and a.arch != "llava":
+        p.error("--task dense trains the LLaVA architecture (--arch llava)")
     if a.minutes is None and a.steps is None:
         p.error("give --minutes and/or --steps")
     if a.video_clips is None:
@@ -82,7 +104,13 @@ class Trainer:
         self.a = args
         torch.manual_seed(args.seed)
         self.cfg = S.ShapesConfig(image_size=args.image_size)
-        if args.arch == "llava":
+        self.data = None
+        if args.task == "dense":
+            parts = TD.build_dense_parts(args)
+            self.cfg, self.data, self.tok, self.processor = parts["cfg"], parts["data"], parts["tok"], parts["processor"]
+            self.model, self.aux, self.batcher = parts["model"], parts["aux"], parts["batcher"]
+            self.model.model.vision_tower.register_forward_hook(self._grab)
+        elif args.arch == "llava":
             self.tok = M.build_tokenizer()
             self.processor = M.build_llava_processor(self.tok, args.image_size, args.patch_size)
             self.model = M.build_llava(self.tok, args.image_size, patch_size=args.patch_size)
@@ -104,10 +132,14 @@ class Trainer:
                                      lr=args.lr, betas=(0.9, 0.98))
         self.step, self.elapsed, self.curve, self.best = 0, 0.0, [], (-1.0, None)
         self.feats: torch.Tensor | None = None
-        self.val = S.make_split("val", args.val_images, self.cfg)
+        self.val = self.split("val", args.val_images)
         self.video_cfg = S.ShapesConfig()  # the video split is rendered at 112 px (16 Qwen tokens per frame)
         self.val_clips = ([S.generate_video_sample(S.SPLIT_SEEDS["val"], i, self.video_cfg)
                            for i in range(args.val_clips)] if args.video_clips else [])
+
+    def split(self, name: str, n: int) -> list[S.ImageSample]:
+        """The first ``n`` images of split ``name`` of this task version."""
+        return self.data.split(name, n) if self.data else S.make_split(name, n, self.cfg)
 
     def _grab(self, module, inputs, output) -> None:
         """Patch features for the aux loss: CLIP output minus CLS, or Qwen's merged tokens (flat)."""
@@ -120,7 +152,8 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float]:
         b = self.a.batch
-        samples = [S.generate_image_sample(S.SPLIT_SEEDS["train"], self.step * b + i, self.cfg) for i in range(b)]
+        samples = (self.data.train(self.step, b) if self.data else
+                   [S.generate_image_sample(S.SPLIT_SEEDS["train"], self.step * b + i, self.cfg) for i in range(b)])
         batch = self.batcher(samples, np.random.default_rng([self.a.seed, self.step]))
         for g in self.opt.param_groups:
             g["lr"] = self.a.lr * lr_factor(self.step, self.progress(), self.a.warmup)
@@ -208,7 +241,7 @@ class Trainer:
                 f"{t.num_hidden_layers} layers, {t.num_attention_heads} heads, {t.num_key_value_heads} KV heads, "
                 f"MLP {t.intermediate_size}, vocab {t.vocab_size} (whole-word tokenizer, digits spelt one by one)")
         return {
-            "name": EMBEDDED_MODELS[a.arch], "class": type(m).__name__, "status": status,
+            "name": TD.DENSE_MODEL_NAME if a.task == "dense" else EMBEDDED_MODELS[a.arch], "class": type(m).__name__, "status": status,
             "params": sum(p.numel() for p in m.parameters()), "params_vision": sum(p.numel() for p in vis.parameters()),
             "eos": "</s>" if llava else "<|im_end|>", "steps": self.step, "minutes": self.elapsed / 60,
             "samples": self.step * a.batch, "threads": a.threads,
@@ -216,7 +249,7 @@ class Trainer:
                        "<|im_start|>user\\n<|vision_start|><|image_pad|>...<|vision_end|>{question}<|im_end|>\\n"
                        "<|im_start|>assistant\\n"),
             "arch": self._arch_text(m) + "\n" + text,
-            "data": (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
+            "data": TD.dense_card_data(a) if a.task == "dense" else (f"vtprune-shapes images at {a.image_size} px, generated on the fly from the `train` seed "
                      f"stream (one question of each answerable type per image plus extra colour/shape/where/count "
                      f"questions about its other objects, up to {M.MAX_TURNS}, packed after one copy of the image "
                      f"with a mask that shows each question only the image and itself; each answer weighs the same in the "
@@ -278,19 +311,29 @@ def log(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    out = args.out or MODELS_DIR / EMBEDDED_MODELS[args.arch]
-    workdir = args.workdir or Path(".train") / args.arch
+    dense = args.task == "dense"
+    workdir = args.workdir or (TD.DENSE_RUN_DIR if dense else Path(".train") / args.arch)
+    out = args.out or (workdir / "export" if dense else MODELS_DIR / EMBEDDED_MODELS[args.arch])
     workdir.mkdir(parents=True, exist_ok=True)
     tr = Trainer(args)
     if args.arch == "llava":
-        M.check_consistency(tr.processor, tr.batcher, tr.cfg)
-    if args.resume and (workdir / "ckpt.pt").exists():
-        tr.load_ckpt(workdir / "ckpt.pt")
-        log(f"resumed at step {tr.step} ({tr.elapsed / 60:.1f} min)")
+        M.check_consistency(tr.processor, tr.batcher, tr.cfg, tr.split("val", 1)[0])
+    start = workdir / "ckpt.pt" if (workdir / "ckpt.pt").exists() else args.resume_from
+    if (args.resume or args.resume_from) and start is not None and Path(start).exists():
+        tr.load_ckpt(Path(start))
+        log(f"resumed from {start} at step {tr.step} ({tr.elapsed / 60:.1f} min)")
+    elif args.resume_from:
+        raise SystemExit(f"--resume-from {args.resume_from}: no such checkpoint")
+    leg_end = tr.elapsed + 60 * args.leg_minutes if args.leg_minutes else math.inf
     log(f"params {sum(p.numel() for p in tr.model.parameters()):,}; out={out}")
     t_last, s_last, last_export = time.time(), tr.step, tr.elapsed
     lm_avg = aux_avg = None
     while tr.progress() < 1.0:
+        if tr.elapsed >= leg_end:
+            if lm_avg is not None:
+                tr.evaluate_and_export(lm_avg, aux_avg, out, workdir)
+            log(f"leg done at step {tr.step}; resume with --resume --workdir {workdir}")
+            return
         t0 = time.time()
         lm, aux = tr.train_step()
         tr.elapsed += time.time() - t0
@@ -305,10 +348,11 @@ def run(args: argparse.Namespace) -> None:
         if tr.elapsed - last_export >= 60 * args.export_every:
             last_export = tr.elapsed
             tr.evaluate_and_export(lm_avg, aux_avg, out, workdir)
-    tr.evaluate_and_export(lm_avg or 0.0, aux_avg or 0.0, out, workdir)
+    if lm_avg is not None or tr.best[1] is None:
+        tr.evaluate_and_export(lm_avg or 0.0, aux_avg or 0.0, out, workdir)
     final = copy.deepcopy(tr.model)
     final.load_state_dict(tr.best[1])
-    test = E.evaluate(final, tr.processor, S.make_split("test", args.test_images, tr.cfg))
+    test = E.evaluate(final, tr.processor, tr.split("test", args.test_images))
     if args.video_clips:
         clips = [S.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
         test.update(E.evaluate_video(final, tr.processor, clips))

@@ -1,0 +1,182 @@
+"""The 64-token embedded LLaVA on the dense task version: tokenizer, auxiliary targets, training questions.
+
+Used by :mod:`vtprune.eval.train_tiny` with ``--task dense`` (see :mod:`vtprune.eval.shapes_dense`). The model
+is the same tiny ``LlavaForConditionalGeneration`` as the 16-token one (:func:`tiny_models.build_llava`) at
+224 px with 28 px patches: 8x8 = 64 visual tokens. What is specific to this version:
+
+* the tokenizer adds the dense task's words (the 3x3 cell names, ``exactly``) after the first version's;
+* the per-patch auxiliary heads (:data:`DENSE_AUX_HEADS`) predict for every patch the colour, shape and
+  3x3 cell of the object covering it, and the digit drawn in it with its **place in the number** (first,
+  second, third): reading the number is then reading the tokens whose place is 1, 2, 3 in turn;
+* the extra training questions ask ``where3`` instead of the quadrant ``where``.
+
+Also :func:`compact_checkpoint`: the small resumable checkpoint committed to git (fp32 weights, bf16 Adam
+moments, fp16 best weights, step, elapsed time, learning curve).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+from vtprune.eval import shapes as S
+from vtprune.eval import shapes_dense as D
+from vtprune.eval import tiny_models as M
+
+DENSE_MODEL_NAME = "vtprune-llava64-shapes"
+DENSE_RUN_DIR = Path("runs") / "llava64"  # default workdir; the export goes to <workdir>/export
+DENSE_MAX_TURNS = 10
+DENSE_AUX_HEADS: dict[str, int] = {"color": len(S.COLORS) + 1, "shape": len(S.SHAPES) + 1, "cell": len(D.CELLS) + 1,
+                                   "digit": 11, "place": 4}
+
+
+def dense_texts() -> tuple[str, ...]:
+    """Templates and answers of the dense version, for :func:`tiny_models.build_tokenizer` ``extra_texts``."""
+    return tuple(D.DENSE_TEMPLATES.values()) + D.CELLS
+
+
+def build_dense_tokenizer():
+    """The first version's whole-word tokenizer plus the dense version's words (ids of old words unchanged)."""
+    return M.build_tokenizer(extra_texts=dense_texts())
+
+
+def dense_patch_labels(objects: list[S.SceneObject], grid: int, patch: int = 28, min_cover: float = 0.25
+                       ) -> dict[str, np.ndarray]:
+    """Per-patch class ids (row-major ``grid*grid``, 0 = none) for :data:`DENSE_AUX_HEADS`.
+
+    ``color``/``shape``/``cell``: the best-covering shape (cover >= ``min_cover``); ``digit``: the digit
+    (+1) whose box covers the patch best; ``place``: that digit's place in the number (1 = leftmost).
+    """
+    best = np.full((grid, grid), min_cover - 1e-6)
+    out = {k: np.zeros((grid, grid), np.int64) for k in DENSE_AUX_HEADS}
+    digits = sorted((o for o in objects if o.digit is not None), key=lambda o: o.box[0])
+    place = {id(o): i + 1 for i, o in enumerate(digits)}
+    for o in objects:
+        win = M._box_cover(o.box, grid, patch) > best
+        best = np.where(win, M._box_cover(o.box, grid, patch), best)
+        if o.shape is not None:
+            values = {"color": S.COLORS.index(o.color) + 1, "shape": S.SHAPES.index(o.shape) + 1,
+                      "cell": D.CELLS.index(o.quadrant) + 1, "digit": 0, "place": 0}
+        else:
+            values = {"color": 0, "shape": 0, "cell": 0, "digit": int(o.digit) + 1, "place": place[id(o)]}
+        for k, v in values.items():
+            out[k][win] = v
+    return {k: v.reshape(-1) for k, v in out.items()}
+
+
+def dense_training_questions(sample: S.ImageSample, rng: np.random.Generator, max_turns: int = DENSE_MAX_TURNS
+                             ) -> list[S.Question]:
+    """The sample's questions plus extras about its other objects, shuffled, at most ``max_turns``.
+
+    Extras: the colour of every uniquely shaped object, the shape of every uniquely coloured one, the 3x3
+    cell of every unique colour-shape pair, and the count of every shape seen at most 5 times (0 included).
+    Every question of the sample itself is kept.
+    """
+    base = list(sample.questions)
+    seen = {q.text for q in base}
+    shapes = sample.shapes
+    t = D.DENSE_TEMPLATES
+    extra: list[S.Question] = []
+    for o in shapes:
+        if sum(p.shape == o.shape for p in shapes) == 1:
+            extra.append(S.Question("color", t["color"].format(shape=o.shape), o.color, [o.box]))
+        if sum(p.color == o.color for p in shapes) == 1:
+            extra.append(S.Question("shape", t["shape"].format(color=o.color), o.shape, [o.box]))
+        if sum((p.color, p.shape) == (o.color, o.shape) for p in shapes) == 1:
+            extra.append(S.Question("where3", t["where3"].format(color=o.color, shape=o.shape), o.quadrant, [o.box]))
+    for shape in S.SHAPES:
+        same = [o.box for o in shapes if o.shape == shape]
+        if len(same) <= D.MAX_COUNT:
+            extra.append(S.Question("count", t["count"].format(plural=S.PLURALS[shape]), str(len(same)), same))
+    extra = [q for q in extra if q.text not in seen]
+    extra = [extra[i] for i in rng.permutation(len(extra))][: max(0, max_turns - len(base))]
+    qs = base + extra
+    return [qs[i] for i in rng.permutation(len(qs))]
+
+
+class DenseData:
+    """Sample source for training: the dense stream with a curriculum on scene difficulty."""
+
+    def __init__(self, cfg: D.DenseConfig, curriculum_steps: int):
+        self.cfg, self.curriculum_steps = cfg, curriculum_steps
+
+    def difficulty(self, step: int) -> float:
+        """0 -> 1 linearly over the first ``curriculum_steps`` steps (1 throughout when 0)."""
+        return 1.0 if self.curriculum_steps <= 0 else min(1.0, step / self.curriculum_steps)
+
+    def train(self, step: int, batch: int) -> list[S.ImageSample]:
+        d = self.difficulty(step)
+        return [D.generate_dense_sample(S.SPLIT_SEEDS["train"], step * batch + i, self.cfg, d) for i in range(batch)]
+
+    def split(self, name: str, n: int) -> list[S.ImageSample]:
+        return D.make_dense_split(name, n, self.cfg)
+
+
+def build_dense_parts(args: argparse.Namespace) -> dict:
+    """Tokenizer, processor, model, auxiliary head, batcher and data of the 64-token LLaVA for ``Trainer``."""
+    cfg = D.DenseConfig(image_size=args.image_size, patch=args.patch_size)
+    tok = build_dense_tokenizer()
+    model = M.build_llava(tok, args.image_size, vision_width=args.vision_width, text_width=args.text_width,
+                          layers=args.layers, patch_size=args.patch_size)
+    return {
+        "cfg": cfg, "tok": tok, "model": model,
+        "processor": M.build_llava_processor(tok, args.image_size, args.patch_size),
+        "aux": M.AuxHead(model.config.vision_config.hidden_size, DENSE_AUX_HEADS, {}),
+        "batcher": M.LlavaBatcher(tok, args.image_size, args.patch_size, questions=dense_training_questions,
+                                  labels=dense_patch_labels),
+        "data": DenseData(cfg, args.curriculum_steps),
+    }
+
+
+def dense_card_data(args: argparse.Namespace) -> str:
+    """The model card's data paragraph for the dense task version."""
+    return (f"vtprune-shapes **dense** task version (`vtprune.eval.shapes_dense`, {D.DENSE_VERSION}): {args.image_size} "
+            f"px images of 6-12 shapes (20-28 px) and a 2-3 digit number drawn one digit per {args.patch_size} px "
+            f"patch, generated on the fly from the `train` seed stream; question types {', '.join(D.DENSE_QTYPES)} "
+            f"(`where3`: the 3x3 cell). Scene curriculum: difficulty 0 -> 1 over the first {args.curriculum_steps} "
+            f"steps (2-6 objects and no clutter at 0, 6-12 objects at 1). One question of each answerable type per "
+            f"image plus extra colour/shape/where3/count questions, up to {DENSE_MAX_TURNS}, packed after one copy "
+            f"of the image with a mask that shows each question only the image and itself; each answer weighs "
+            f"the same in the loss. Validation = first {args.val_images} dense `val` images; test = first "
+            f"{args.test_images} dense `test` images (all of their questions).")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The checkpoint kept in git
+# ----------------------------------------------------------------------------------------------------------
+def compact_checkpoint(src: str | Path, dst: str | Path) -> int:
+    """Write a smaller resumable copy of the training checkpoint ``src`` to ``dst``; returns its size in bytes.
+
+    Model and auxiliary weights stay fp32 (resume continues from them exactly); the Adam moments are stored
+    in bf16 (``Optimizer.load_state_dict`` casts them back to fp32) and the best-so-far weights in fp16.
+    """
+    st = torch.load(src, weights_only=False)
+    for state in st["opt"]["state"].values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            if k in state:
+                state[k] = state[k].to(torch.bfloat16)
+    score, best = st["best"]
+    if best is not None:
+        st["best"] = (score, {k: v.half() if v.is_floating_point() else v for k, v in best.items()})
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(st, dst.with_suffix(".tmp"))
+    dst.with_suffix(".tmp").replace(dst)
+    return dst.stat().st_size
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m vtprune.eval.tiny_dense compact SRC DST``: write the git checkpoint."""
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("command", choices=["compact"])
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    a = p.parse_args(argv)
+    size = compact_checkpoint(a.src, a.dst)
+    print(f"wrote {a.dst} ({size / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Training the 64-token LLaVA on the dense task: tokenizer, per-patch targets, questions, legs and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vtprune.eval import shapes as S  # noqa: E402
+from vtprune.eval import shapes_dense as D  # noqa: E402
+from vtprune.eval import tiny_dense as TD  # noqa: E402
+from vtprune.eval import tiny_models as M  # noqa: E402
+from vtprune.eval import train_tiny as T  # noqa: E402
+
+from vtprune.embedded import embedded_model_path  # noqa: E402
+
+
+def test_dense_tokenizer_extends_the_shipped_vocabulary() -> None:
+    """The first version's tokenizer still equals the shipped LLaVA's; the dense one only appends words."""
+    shipped = json.loads((embedded_model_path("llava") / "tokenizer.json").read_text())["model"]["vocab"]
+    assert M.build_tokenizer().get_vocab() == shipped
+    dense = TD.build_dense_tokenizer()
+    assert all(dense.get_vocab()[w] == i for w, i in shipped.items())
+    for q in ("Where exactly is the red circle ?", *D.CELLS):
+        assert dense.unk_token_id not in dense(q, add_special_tokens=False)["input_ids"]
+
+
+def test_dense_patch_labels_hand_case() -> None:
+    """Shapes label their patches with colour/shape/cell; digits with their value and place in the number."""
+    square = S.SceneObject(box=(0, 0, 28, 28), quadrant="top-left", shape="square", color="blue")
+    seven = S.SceneObject(box=(90, 60, 104, 82), quadrant="top", digit="7")  # patch (2, 3)
+    two = S.SceneObject(box=(62, 58, 76, 80), quadrant="top", digit="2")  # patch (2, 2), leftmost
+    labels = TD.dense_patch_labels([seven, square, two], grid=8, patch=28)
+    assert labels["color"][0] == S.COLORS.index("blue") + 1 and labels["color"].sum() == labels["color"][0]
+    assert labels["shape"][0] == S.SHAPES.index("square") + 1 and labels["cell"][0] == 1
+    assert labels["digit"][2 * 8 + 2] == 3 and labels["digit"][2 * 8 + 3] == 8
+    assert labels["place"].tolist().count(0) == 62 and labels["place"][2 * 8 + 2] == 1 and labels["place"][2 * 8 + 3] == 2
+
+
+def test_dense_labels_agree_with_the_read_answer() -> None:
+    """On generated scenes, the digits at places 1, 2, 3 spell the answer to the read question."""
+    for index in range(10):
+        s = D.generate_dense_sample(S.SPLIT_SEEDS["train"], index)
+        labels = TD.dense_patch_labels(s.objects, 8, 28)
+        order = np.argsort(np.where(labels["place"] > 0, labels["place"], 99))[: len(s.number)]
+        assert "".join(str(labels["digit"][i] - 1) for i in order) == s.number
+
+
+def test_dense_training_questions_answer_from_the_scene() -> None:
+    for index in range(15):
+        s = D.generate_dense_sample(S.SPLIT_SEEDS["train"], index)
+        qs = TD.dense_training_questions(s, np.random.default_rng(index))
+        assert {q.text for q in s.questions} <= {q.text for q in qs} and len(qs) <= TD.DENSE_MAX_TURNS
+        assert len({q.text for q in qs}) == len(qs)
+        for q in qs:
+            if q.qtype == "where3":
+                col, shp = q.text[:-1].split()[-2:]
+                (o,) = [o for o in s.shapes if (o.color, o.shape) == (col, shp)]
+                assert q.answer == o.quadrant == D.cell_of(o.box, 224)
+            if q.qtype == "count":
+                plural = q.text.split()[2]
+                assert q.answer == str(sum(S.PLURALS[o.shape] == plural for o in s.shapes))
+            if q.qtype == "color":
+                (o,) = [o for o in s.shapes if o.shape == q.text.split()[-1].rstrip("?")]
+                assert q.answer == o.color
+
+
+def test_dense_batches_match_the_processor() -> None:
+    """Packed dense turns equal the processor's single-turn prompts, with 64 image tokens per image."""
+    args = T.parse_args(["--task", "dense", "--steps", "1"])
+    parts = TD.build_dense_parts(args)
+    sample = D.generate_dense_sample(S.SPLIT_SEEDS["val"], 0)
+    M.check_consistency(parts["processor"], parts["batcher"], parts["cfg"], sample)
+    batch = parts["batcher"]([sample], np.random.default_rng(0))
+    assert (batch["inputs"]["input_ids"] == parts["batcher"].image_id).sum() == 64
+    assert set(batch["aux"]) == set(TD.DENSE_AUX_HEADS) and batch["aux"]["place"].shape == (1, 64)
+    assert parts["data"].difficulty(0) == 0.0 and parts["data"].difficulty(args.curriculum_steps) == 1.0
+
+
+def _args(tmp_path, *extra: str) -> list[str]:
+    return ["--task", "dense", "--steps", "3", "--batch", "2", "--warmup", "1", "--val-images", "1",
+            "--test-images", "1", "--vision-width", "32", "--text-width", "32", "--layers", "1",
+            "--curriculum-steps", "2", *extra]
+
+
+def test_training_legs_resume_to_the_same_weights(tmp_path) -> None:
+    """Stopping after one step (--leg-minutes) and resuming gives exactly the uninterrupted run's weights."""
+    T.run(T.parse_args(_args(tmp_path, "--workdir", str(tmp_path / "straight"))))
+    legs = tmp_path / "legs"
+    T.run(T.parse_args(_args(tmp_path, "--workdir", str(legs), "--leg-minutes", "1e-9")))
+    first = torch.load(legs / "ckpt.pt", weights_only=False)
+    assert first["step"] == 1 and first["curve"][-1]["step"] == 1 and "opt" in first
+    T.run(T.parse_args(_args(tmp_path, "--workdir", str(legs), "--resume")))
+    a = torch.load(tmp_path / "straight" / "ckpt.pt", weights_only=False)
+    b = torch.load(legs / "ckpt.pt", weights_only=False)
+    assert a["step"] == b["step"] == 3
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert all(torch.equal(a["aux"][k], b["aux"][k]) for k in a["aux"])
+    assert (legs / "export" / "learning_curve.png").is_file() and (legs / "learning_curve.csv").is_file()
+
+
+def test_compact_checkpoint_resumes_in_a_fresh_workdir(tmp_path) -> None:
+    """The git checkpoint (bf16 moments, fp16 best) restarts a run elsewhere at its step, with its curve."""
+    work = tmp_path / "w"
+    T.run(T.parse_args(_args(tmp_path, "--workdir", str(work), "--leg-minutes", "1e-9")))
+    size = TD.compact_checkpoint(work / "ckpt.pt", tmp_path / "git" / "ckpt.pt")
+    full = torch.load(work / "ckpt.pt", weights_only=False)
+    small = torch.load(tmp_path / "git" / "ckpt.pt", weights_only=False)
+    assert size < (work / "ckpt.pt").stat().st_size
+    assert all(torch.equal(full["model"][k], small["model"][k]) for k in full["model"])
+    assert {v["exp_avg"].dtype for v in small["opt"]["state"].values()} == {torch.bfloat16}
+    fresh = tmp_path / "fresh"
+    T.run(T.parse_args(_args(tmp_path, "--workdir", str(fresh), "--resume-from", str(tmp_path / "git" / "ckpt.pt"))))
+    done = torch.load(fresh / "ckpt.pt", weights_only=False)
+    assert done["step"] == 3 and [r["step"] for r in done["curve"]][:1] == [1]
+    assert {v["exp_avg"].dtype for v in done["opt"]["state"].values()} == {torch.float32}
+
+
+def test_dense_defaults_write_under_runs(tmp_path, monkeypatch) -> None:
+    """Without --workdir/--out the dense run writes to runs/llava64 (never into the shipped models)."""
+    monkeypatch.chdir(tmp_path)
+    T.run(T.parse_args(_args(tmp_path)))
+    assert (tmp_path / "runs" / "llava64" / "ckpt.pt").is_file()
+    assert (tmp_path / "runs" / "llava64" / "export" / "config.json").is_file()
+    assert json.loads((tmp_path / "runs" / "llava64" / "export" / "config.json").read_text())[
+        "vision_config"]["image_size"] == 224
