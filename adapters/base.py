@@ -43,7 +43,9 @@ class Adapter:
     """
 
     model_types: tuple[str, ...] = ()
-    supports_compact_positions = True
+    #: What scorers may require (``Scorer.requires``): LM attention rows recomputed from q/k, what decoder
+    #: layers compute, 1-D RoPE positions that can be renumbered; subclasses add e.g. ``"clip_tower"``.
+    capabilities: frozenset[str] = frozenset({"attention", "llm_layers", "compact_positions"})
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -140,7 +142,3 @@ class Adapter:
         query = apply_rope(query, query, cos_q, sin_q)[0]
         key = apply_rope(key, key, cos, sin)[0]
         return query, key
-
-    def check(self, stages_first_layer: int, needs: frozenset[str]) -> None:
-        """Raise ``ValueError`` if this model cannot run the requested schedule. Default: nothing to check."""
-        return None

@@ -33,6 +33,7 @@ class LlavaAdapter(Adapter):
     """``LlavaForConditionalGeneration``: ``model.model.vision_tower`` + ``multi_modal_projector``."""
 
     model_types = ("llava",)
+    capabilities = Adapter.capabilities | {"clip_tower"}  # CLIP / SigLIP: VFlowOpt's ViT map
 
     @property
     def vision_tower(self) -> nn.Module:
@@ -67,7 +68,7 @@ class LlavaAdapter(Adapter):
         ``LlavaImageProcessor`` with ``do_pad=False``), which leaves no padding tokens: None. When the images
         were padded to square (``do_pad=True`` / the original ``expand2square``), the original sizes are
         needed: ``inputs["vtprune_image_sizes"]``, one ``(height, width)`` per image in batch order (set it with
-        ``vtprune.criteria.debias.set_image_sizes(handle, sizes)``; the LLaVA forward has no such argument).
+        ``vtprune.methods.debias.set_image_sizes(handle, sizes)``; the LLaVA forward has no such argument).
         The padded square is assumed to fill the tower's input (resize size = crop size). CLS tokens
         (``full`` strategy) and unrecognised layouts get 0.
         """

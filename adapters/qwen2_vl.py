@@ -15,7 +15,7 @@ class Qwen2VLAdapter(Adapter):
     """
 
     model_types = ("qwen2_vl",)
-    supports_compact_positions = False
+    capabilities = frozenset({"attention", "llm_layers"})  # 3-D M-RoPE positions are not renumbered
 
     @property
     def vision_tower(self) -> nn.Module:

@@ -144,9 +144,8 @@ def choose_k(model: Any, processor: Any, question: VideoQuestion, route: str, re
 def answer_pass(model: Any, processor: Any, frames: list, question: VideoQuestion, route: str, method: str,
                 keep: float, mode: str) -> Answer:
     """One answer pass over ``frames`` pruned by ``method`` at ``keep``; letter from generation or letter scores."""
-    from vtprune.frame_budget import wrap_frames
     from vtprune.gridprobe import letter_posterior, letter_token_ids
-    from vtprune.gridprobe_run import forward_pass, lm_shape, pass_flops, question_prompt
+    from vtprune.gridprobe_run import forward_pass, lm_shape, pass_flops, question_prompt, wrap_frames
 
     prompt, letters, _ = question_prompt(question.text, None)
     handle = None if method == "none" else wrap_frames(model, method, keep)

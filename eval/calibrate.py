@@ -5,7 +5,7 @@ host's raw attention score vector over the visual tokens at the scoring layer (t
 scoring hook with ``keep=1``: recomputed from q/k, no eager attention), normalise each vector to mean 1,
 drop padded positions, pool the ``(x = i / N0, a)`` pairs and fit ``log a = log mu + sigma x`` by least
 squares; the binned mean curve is stored too. :func:`calibrate` returns the JSON-ready dict that
-``debias=FILE`` reads (:func:`vtprune.criteria.debias.read_calibration`).
+``debias=FILE`` reads (:func:`vtprune.methods.debias.read_calibration`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,22 @@ from __future__ import annotations
 import datetime
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from PIL import Image
+from tqdm.auto import tqdm
+from vtprune.adapters import get_adapter
 
-from vtprune.config import PruneConfig, Stage
-from vtprune.criteria.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
+import vtprune
+from vtprune.config import Stage
 from vtprune.errors import UserError
 from vtprune.images import open_image
-from vtprune.methods import METHODS, Method, make_method
+from vtprune.methods import Scorer, resolve
+from vtprune.methods.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
+from vtprune.pipeline import build_inputs
 from vtprune.scoring import ScoreContext
 
 HOST_QUERIES = {"fastv": "last", "pdrop": "last", "transprune": "instruction"}
@@ -70,33 +75,33 @@ def _listed_pairs(folder: Path, listing: Path) -> list[tuple[Path, str]]:
     return pairs
 
 
-class Recorder(Method):
+@dataclass(frozen=True)
+class Recorder(Scorer):
     """Scores like the host's attention term and records each sample's visual score vector (keep=1)."""
 
-    def __init__(self, host: str, query: str) -> None:
-        self.host, self.query = METHODS[host](), query
-        self.records: dict[int, list[torch.Tensor]] = {}
-        self.padding: list[torch.Tensor] | None = None
-        self.sizes: list[tuple[int, int]] | None = None
+    name: ClassVar[str] = "calibration-recorder"
+    requires: ClassVar[frozenset[str]] = frozenset({"attention"})
+    host: Scorer = field(default_factory=Scorer)
+    query: str = "last"
+    records: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    padding: list = field(default_factory=list)
 
     def score_layer(self, stage: Stage) -> int:
         return self.host.score_layer(stage)
 
-    def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
         scores = ctx.attention(self.query)
         if "padding" not in ctx.state:
-            inputs = dict(ctx.inputs)
-            if self.sizes is not None:
-                inputs["vtprune_image_sizes"] = self.sizes
-            ids = inputs.get("input_ids")
-            ctx.state["padding"] = ctx.adapter.padding_fraction(ids, inputs) if ids is not None else None
+            ids = ctx.inputs.get("input_ids")
+            ctx.state["padding"] = ctx.adapter.padding_fraction(ids, ctx.inputs) if ids is not None else None
+            fractions = ctx.state["padding"]
+            self.padding.extend(fractions or [torch.zeros(0)] * scores.shape[0])
         rows = self.records.setdefault(ctx.layer_index, [])
         for b in range(scores.shape[0]):
             alive = ctx.ordinal[b] >= 0
             vector = torch.zeros(int(ctx.num_visual[b]))
             vector[ctx.ordinal[b, alive].cpu()] = scores[b, alive].float().cpu()
             rows.append(vector)
-        self.padding = ctx.state["padding"]
         return scores
 
 
@@ -111,32 +116,19 @@ def record(model: Any, processor: Any, items: list[tuple[Image.Image, str]], met
 
     With a LLaVA processor that pads to square (``do_pad=True``) the original image sizes feed the padding map.
     """
-    from tqdm.auto import tqdm
-    from vtprune.adapters import get_adapter
-
-    from vtprune.engine import PruneHandle
-    from vtprune.pipeline import build_inputs
-
-    adapter = get_adapter(model)
-    recorder = Recorder(method, HOST_QUERIES[method])
-    stages = tuple(Stage(layer, 1.0) for layer in layers)
-    config = PruneConfig(method=method, keep=1.0, schedule=[(s.layer, s.keep) for s in stages])
-    handle = PruneHandle(model, adapter, recorder, config, stages)
+    recorder = Recorder(host=resolve(method), query=HOST_QUERIES[method])
+    schedule = ",".join(f"{layer}:1" for layer in layers)
     device = next(model.parameters()).device
     pad_sizes = bool(getattr(getattr(processor, "image_processor", None), "do_pad", False))
-    padding: list[torch.Tensor] = []
-    try:
+    with vtprune.apply(model, recorder, keep=1.0, schedule=schedule) as handle:
         for chunk in tqdm(list(_batches(items, batch_size)), desc="calibrate", disable=not progress):
             inputs = build_inputs(processor, [im for im, _ in chunk], [q for _, q in chunk], model.config.model_type)
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
             if pad_sizes and model.config.model_type == "llava":
-                recorder.sizes = [(im.height, im.width) for im, _ in chunk]
+                handle.set_image_sizes([(im.height, im.width) for im, _ in chunk])
             with torch.inference_mode():
                 model(**inputs, logits_to_keep=1)
-            padding.extend(recorder.padding or [torch.zeros(0)] * len(chunk))
-    finally:
-        handle.remove()
-    return recorder.records, padding
+    return recorder.records, recorder.padding
 
 
 def fit_layer(vectors: list[torch.Tensor], padding: list[torch.Tensor], tau: float, bins: int) -> dict[str, Any]:
@@ -158,22 +150,18 @@ def fit_layer(vectors: list[torch.Tensor], padding: list[torch.Tensor], tau: flo
 
 def default_layers(method: str, num_layers: int) -> list[int]:
     """The host's default stage layers for this depth."""
-    return [s.layer for s in make_method(method).default_stages(num_layers, 0.25) if s.layer > 0]
+    return [s.layer for s in resolve(method).schedule(num_layers, 0.25) if s.layer > 0]
 
 
 def calibrate(model: Any, processor: Any, items: list[tuple[Image.Image, str]], method: str = "fastv",
               layers: list[int] | None = None, batch_size: int = 16, bins: int = 32, tau: float = DEFAULT_TAU,
               model_name: str = "", progress: bool = True) -> dict[str, Any]:
     """The calibration record (JSON-ready) of ``method``'s attention trend on ``items``."""
-    from vtprune.adapters import get_adapter
-
-    import vtprune
-
     if method not in HOST_QUERIES:
         raise ValueError(f"--method {method!r}: calibration covers the attention hosts {', '.join(HOST_QUERIES)}.")
     num_layers = get_adapter(model).num_layers
     layers = layers or default_layers(method, num_layers)
-    offset = METHODS[method].score_offset
+    offset = resolve(method).score_offset
     for layer in layers:
         if not offset <= layer < num_layers or layer < 1:
             raise ValueError(f"--layer {layer} must be in [{max(1, offset)}, {num_layers - 1}] for {method} "

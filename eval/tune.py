@@ -3,7 +3,7 @@
 Objective (spec 4.5): the mean cosine similarity between the final hidden state (after the language
 model's final norm) of the last prompt token with and without pruning, over ``n`` unlabeled calibration
 prompts (vtprune-shapes ``calib`` split), one prefill forward per configuration. Each method declares its
-search space (:meth:`vtprune.methods.Method.search_space`) and the parameters of its default
+search space (:mod:`vtprune.eval.tune_spaces`) and the parameters of its default
 configuration (enqueued as trial 0, whose value is ``baseline_objective``). Optuna TPE, seeded.
 
 The output JSON ``{"method", "wrap_options", "objective", "baseline_objective", "trials", ...}`` is read by
@@ -18,8 +18,14 @@ import json
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
+from vtprune.adapters import get_adapter
+from vtprune.eval import tune_spaces
 
 from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
+from vtprune.config import PruneConfig, check_keep
+from vtprune.methods import resolve
+from vtprune.methods.budget import InfeasibleBudget
 
 
 def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
@@ -35,8 +41,6 @@ def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
 
 def last_hidden(model: Any, inputs: dict) -> torch.Tensor:
     """``[B, D]`` fp32 output of the language model's final norm at the last prompt position (left padding)."""
-    from vtprune.adapters import get_adapter
-
     captured: dict[str, torch.Tensor] = {}
 
     def grab(module: Any, args: tuple, output: torch.Tensor) -> None:
@@ -80,29 +84,23 @@ class Objective:
 def tune(model: Any, processor: Any, method: str, budget: float, trials: int, n_samples: int = 30,
          seed: int = 0, progress: bool = True, batch_size: int = 32) -> dict[str, Any]:
     """Run the search; returns the JSON-ready result (best options, objectives, every trial)."""
-    import optuna
-    from tqdm.auto import tqdm
-    from vtprune.adapters import get_adapter
-
-    from vtprune.config import PruneConfig, check_keep
-    from vtprune.criteria.budget import InfeasibleBudget
-    from vtprune.methods import make_method
+    import optuna  # optional dependency (the bench extra), loaded only to tune
 
     check_keep(budget, name="budget")
     if trials < 1:
         raise ValueError(f"--trials must be >= 1, got {trials}.")
     config = PruneConfig(method=method, keep=budget)
     extra = {"debias": config.debias} if config.debias else {}
-    pruner = make_method(config.method, dict(extra))
+    scorer = resolve(config.method, debias=config.debias, model=model)
     adapter = get_adapter(model)
     layers = adapter.num_layers
     objective = Objective(model, processor, prompts(n_samples, seed), batch_size)
-    defaults = pruner.search_defaults(budget, layers, adapter)
-    pruner.search_space(optuna.trial.FixedTrial(defaults), budget, layers, adapter)  # infeasible: raises now
+    first = tune_spaces.defaults(scorer, budget, layers, adapter)
+    tune_spaces.space(scorer, optuna.trial.FixedTrial(first), budget, layers, adapter)  # infeasible: raises now
 
     def run(trial: optuna.Trial) -> float:
         try:
-            options = {**pruner.search_space(trial, budget, layers, adapter), **extra}
+            options = {**tune_spaces.space(scorer, trial, budget, layers, adapter), **extra}
         except InfeasibleBudget as error:
             raise optuna.TrialPruned(str(error)) from error
         trial.set_user_attr("wrap_options", options)
@@ -110,7 +108,7 @@ def tune(model: Any, processor: Any, method: str, budget: float, trials: int, n_
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
-    study.enqueue_trial(defaults)
+    study.enqueue_trial(first)
     bar = tqdm(total=trials, desc=f"tune {method}", disable=not progress)
     study.optimize(run, n_trials=trials, callbacks=[lambda study, trial: bar.update(1)])
     bar.close()

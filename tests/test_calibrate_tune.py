@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 
 def test_calibrate_writes_a_file_that_debias_loads(tmp_path, capsys):
-    from vtprune.criteria.debias import read_calibration
+    from vtprune.methods.debias import read_calibration
 
     out = tmp_path / "cal.json"
     assert main(["calibrate", "--model", "tiny:llava", "--n", "12", "--batch-size", "6", "--out", str(out),
@@ -36,7 +36,7 @@ def test_calibrate_writes_a_file_that_debias_loads(tmp_path, capsys):
     inputs = tiny_inputs(processor, "llava", [("what color?", [random_image(80, 60, 0)])])
     with torch.no_grad(), vtprune.apply(model, "fastv", keep=0.5, debias=str(out)) as handle:
         model(**inputs)
-    assert handle.method._debiaser.source == str(out) and handle.last_stats.kept == [[8]]
+    assert handle.scorer.debiaser.source == str(out) and handle.last_stats.kept == [[8]]
 
 
 def test_debias_true_uses_the_calibration_shipped_with_the_model(tmp_path):
@@ -53,15 +53,15 @@ def test_debias_true_uses_the_calibration_shipped_with_the_model(tmp_path):
     inputs = tiny_inputs(processor, "llava", [("what color?", [random_image(80, 60, 0)])])
     with torch.no_grad(), vtprune.apply(loaded, "pdrop+debias", keep=0.25) as handle:
         loaded(**inputs)
-    assert handle.method._debiaser.source == str(folder / "calibration.json")
+    assert handle.scorer.debiaser.source == str(folder / "calibration.json")
     with torch.no_grad(), vtprune.apply(model, "pdrop+debias", keep=0.25) as handle:
         model(**inputs)  # a model without a shipped calibration uses the default trend
-    assert handle.method._debiaser.source == "default" and handle.method._debiaser.trend(1).sigma == 1.9
+    assert handle.scorer.debiaser.source == "default" and handle.scorer.debiaser.trend(1).sigma == 1.9
 
 
 def test_tune_improves_vflowopt_and_the_result_loads(tmp_path):
-    from vtprune.criteria.budget import average_retention
     from vtprune.methods import load_method_config
+    from vtprune.methods.budget import average_retention
 
     out = tmp_path / "tuned.json"
     assert main(["tune", "--model", "embedded:llava", "--method", "vflowopt", "--budget", "0.25", "--trials", "6",

@@ -11,8 +11,8 @@ from vtprune.adapters.base import VisualSegment
 from vtprune.adapters.llava import square_padding_fraction
 
 from vtprune.config import Stage
-from vtprune.criteria import budget as B
-from vtprune.criteria.debias import (
+from vtprune.methods import budget as B
+from vtprune.methods.debias import (
     Debiaser,
     Trend,
     binned_curve,
@@ -22,10 +22,10 @@ from vtprune.criteria.debias import (
     padding_keep_mask,
     relative_positions,
 )
-from vtprune.criteria.entropy import denormalize, patch_entropy
-from vtprune.criteria.functional import lowest_kept, masked_softmax, normalise_alive, recycle, ttv, ttv_terms
-from vtprune.criteria.transprune import transprune_stages
-from vtprune.criteria.vit import cell_ids, context_relevance
+from vtprune.methods.entropy import denormalize, patch_entropy
+from vtprune.methods.functional import lowest_kept, masked_softmax, normalise_alive, recycle, ttv, ttv_terms
+from vtprune.methods.schedules import transprune as transprune_stages
+from vtprune.methods.vit import cell_ids, context_relevance
 
 torch.set_num_threads(1)
 
@@ -85,12 +85,13 @@ def test_debias_option_validation(tmp_path):
 
 @pytest.mark.parametrize("name", ["random", "ttv", "vflowopt", "none"])
 def test_debias_is_rejected_for_methods_without_attention(name):
-    from vtprune.methods import make_method
+    from vtprune.methods import Debiased, resolve
 
     with pytest.raises(ValueError, match="debias does not apply"):
-        make_method(name, {"debias": True})
+        resolve(name, {"debias": True})
     for host in ("fastv", "pdrop", "transprune"):
-        assert make_method(host, {"debias": True}).debias is True
+        scorer = resolve(host, {"debias": True})
+        assert isinstance(scorer, Debiased) and scorer.inner.name == host and scorer.name == f"{host}+debias"
 
 
 # -- padding maps ------------------------------------------------------------------------------------------
@@ -283,18 +284,23 @@ def test_ttv_equals_direct_recomputation_from_captured_hidden_states():
         hooks.append(layer.self_attn.register_forward_hook(
             lambda m, args, out, i=index: captured.__setitem__((i, "attn"), out[0].detach())))
     try:
-        with torch.no_grad(), vtprune.apply(model, "ttv", schedule="2:0.5", ttv_start=0) as handle:
-            recorded = {}
-            accumulate = handle.method.accumulated_ttv
+        from dataclasses import dataclass, field
 
-            def spy(ctx):  # the call's state is dropped when the prefill returns: read it while scoring
-                out = accumulate(ctx)
-                recorded["ttv"] = ctx.state["ttv"].clone()
+        from vtprune.methods.transprune import TokenTransitionVariation
+
+        @dataclass(frozen=True)
+        class Spy(TokenTransitionVariation):  # the call's state is dropped after the prefill: read it here
+            seen: dict = field(default_factory=dict)
+
+            def score(self, ctx):
+                out = self.accumulated_ttv(ctx)
+                self.seen["ttv"] = ctx.state["ttv"].clone()
                 return out
 
-            handle.method.accumulated_ttv = spy
+        spy = Spy(ttv_start=0)
+        with torch.no_grad(), vtprune.apply(model, spy, schedule="2:0.5"):
             model(**inputs)
-            state = recorded["ttv"]
+            state = spy.seen["ttv"]
     finally:
         for hook in hooks:
             hook.remove()
@@ -317,7 +323,7 @@ def test_ttv_equals_direct_recomputation_from_captured_hidden_states():
                                                     ("llava_onevision", "anyres_max_1")])
 def test_tile_layouts_match_the_model_packing(model_type, aspect):
 
-    from vtprune.criteria.tiles import layout_from_size, layouts_from_features, tile_values
+    from vtprune.methods.tiles import layout_from_size, layouts_from_features, tile_values
     from vtprune.testing import random_image, tiny_inputs
 
     model, processor = _tiny(model_type)
@@ -356,7 +362,7 @@ def test_tile_layouts_match_the_model_packing(model_type, aspect):
 
 
 def test_vit_attention_equals_the_towers_eager_weights():
-    from vtprune.criteria.vit import vit_attention
+    from vtprune.methods.vit import vit_attention
     from vtprune.testing import random_image, tiny_inputs, tiny_model
 
     model, processor = tiny_model("llava", "eager", image_size=112)

@@ -138,7 +138,7 @@ def test_vflowopt_recycles_and_rejects_unsupported_towers():
     assert h.last_stats.kept[0][0] == base
     qwen, _ = _model("qwen2_vl")
     pristine = [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in qwen.named_modules()]
-    with pytest.raises(ValueError, match="vflowopt supports llava"):
+    with pytest.raises(ValueError, match="vflowopt.* needs clip_tower, which qwen2_vl does not offer"):
         vtprune.wrap(qwen, "vflowopt", keep=0.25)
     assert [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in qwen.named_modules()] == pristine
     assert not hasattr(qwen, "_vtprune_handle")
@@ -158,7 +158,7 @@ def test_debiased_hosts_run_on_every_family(model_type):
 
 
 def test_debias_padding_mask_drops_padded_rows():
-    from vtprune.criteria.debias import set_image_sizes
+    from vtprune.methods.debias import set_image_sizes
 
     model, _ = _model("llava")
     inputs = _inputs("llava", [("what color is the circle?", [random_image(120, 90, 4)])])

@@ -290,10 +290,14 @@ def test_segments_are_the_same_under_generate(model_type):
     """``generate`` pre-encodes images and drops sizes/grids; adapters recover the same token grids."""
     model, processor = _model(model_type, "sdpa")
     inputs = _inputs(model_type, processor, [("q?", [random_image(120, 90, 0)]), ("q?", [random_image(60, 90, 1)])])
-    handle = vtprune.wrap(model, "fastv", keep=0.5, layer=2)
     seen = []
-    score = handle.method.score
-    handle.method.score = lambda ctx, stage: seen.append(list(ctx.segments)) or score(ctx, stage)  # computed lazily
+
+    class SegmentSpy(vtprune.Scorer):  # a user-defined scorer: reads the (lazily computed) segments
+        def score(self, ctx):
+            seen.append(list(ctx.segments))
+            return torch.zeros(ctx.valid.shape)
+
+    handle = vtprune.wrap(model, SegmentSpy(), keep=0.5, layer=2)
     with torch.no_grad():
         model(**inputs)
         model.generate(**inputs, max_new_tokens=1)

@@ -184,8 +184,8 @@ def test_stats_stay_small():
 
 
 def test_no_scoring_work_while_decoding(monkeypatch):
-    import vtprune.criteria.transprune as transprune
-    from vtprune.methods import FastV
+    import vtprune.methods.transprune as transprune
+    from vtprune.methods.fastv import FastV
 
     counts = {"ttv": 0, "score": 0}
     terms = transprune.ttv_terms

@@ -84,7 +84,7 @@ CALIBRATIONS = {
 
 @pytest.mark.parametrize("case", sorted(CALIBRATIONS))
 def test_malformed_calibrations_fail_at_load_time(tmp_path, case):
-    from vtprune.criteria.debias import check_debias_option, read_calibration
+    from vtprune.methods.debias import check_debias_option, read_calibration
 
     edit, words = CALIBRATIONS[case]
     path = _calibration(tmp_path, case, edit)

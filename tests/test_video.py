@@ -146,7 +146,7 @@ def test_video_route_with_the_model_video_processor():
 
 # -- per-frame budgets ---------------------------------------------------------------------------------------
 def test_per_frame_scores_rank_within_frames():
-    from vtprune.frame_budget import per_frame_scores
+    from vtprune.methods.per_frame import per_frame_scores
 
     scores = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.2, 0.1])
     frames = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
@@ -161,7 +161,7 @@ def test_per_frame_scores_rank_within_frames():
 def test_frame_ids_split_video_segments_into_temporal_patches():
     from vtprune.adapters.base import VisualSegment
 
-    from vtprune.frame_budget import frame_ids
+    from vtprune.methods.per_frame import frame_ids
 
     segments = [VisualSegment(0, 1, 2, 2), VisualSegment(4, 3, 2, 2, kind="video")]
     assert frame_ids(segments, 16).tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
@@ -169,7 +169,7 @@ def test_frame_ids_split_video_segments_into_temporal_patches():
 
 @pytest.mark.parametrize("method", ["oracle", "fastv", "pdrop"])
 def test_per_frame_budget_keeps_each_frames_share(method):
-    from vtprune.frame_budget import wrap_frames
+    from vtprune.gridprobe_run import wrap_frames
 
     model, processor = _model("qwen2_vl")
     inputs = frame_inputs(processor, "qwen2_vl", [[random_image(112, 112, i) for i in range(4)]], ["what?"])

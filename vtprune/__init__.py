@@ -10,12 +10,14 @@
 from vtprune.api import apply, wrap
 from vtprune.config import PruneConfig, Stage, keep_count
 from vtprune.engine import PruneHandle
-from vtprune.methods import list_methods, register_method
-from vtprune.state import CallStats
+from vtprune.methods import Capture, Scorer, list_methods, register_method, resolve
+from vtprune.scoring import ScoreContext
+from vtprune.state import CallStats, StageRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CallStats", "PruneConfig", "PruneHandle", "Stage", "apply", "keep_count", "list_methods",
-    "register_method", "wrap", "__version__",
+    "CallStats", "Capture", "PruneConfig", "PruneHandle", "ScoreContext", "Scorer", "Stage", "StageRecord", "apply",
+    "keep_count",
+    "list_methods", "register_method", "resolve", "wrap", "__version__",
 ]

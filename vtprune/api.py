@@ -9,22 +9,23 @@ from typing import Any
 from torch import nn
 
 from vtprune.adapters import get_adapter
-from vtprune.config import PruneConfig, Stage, validate_stages
+from vtprune.config import PruneConfig
 from vtprune.engine import RECORD_INDICES, PruneHandle
-from vtprune.methods import Method, make_method
+from vtprune.methods import Scorer, resolve
+from vtprune.plan import make_plan
 
 UNSUPPORTED_ATTENTION = ("flex_attention",)
 
 
-def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.25, *,
+def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: float = 0.25, *,
          record_indices: int = RECORD_INDICES, **options: Any) -> PruneHandle:
     """Prune the visual tokens of ``model`` in every later forward / ``generate`` call.
 
     Parameters
     ----------
     model: a supported ``*ForConditionalGeneration`` model (see ``vtprune info``).
-    method: a name from :func:`vtprune.list_methods` (``"fastv+debias"`` adds debiasing) or a
-        :class:`PruneConfig`.
+    method: a name from :func:`vtprune.list_methods` (``"fastv+debias"`` adds debiasing), a scorer instance
+        (:class:`vtprune.Scorer`, e.g. your own) or a :class:`PruneConfig`.
     keep: final fraction of visual tokens kept, in ``(0, 1]``.
     options: :class:`PruneConfig` fields (``schedule="2:0.5,8:0.25"``, ``layer=2``, ``positions``,
         ``debias``, ``seed``) and method options (e.g. ``alpha=0.5``).
@@ -39,7 +40,15 @@ def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.
     >>> out = model.generate(**inputs, max_new_tokens=32)            # doctest: +SKIP
     >>> handle.remove()                                              # doctest: +SKIP
     """
-    config = method if isinstance(method, PruneConfig) else _config_from(method, keep, options)
+    scorer = method if isinstance(method, Scorer) else None
+    if isinstance(method, PruneConfig):
+        config = method
+    elif scorer is not None:  # an instance: its name labels the stats; only debias= may be added to it
+        debias = options.get("debias", False)
+        config = _config_from(scorer.name, keep, options)
+        config.debias = debias
+    else:
+        config = _config_from(method, keep, options)
     existing = getattr(model, "_vtprune_handle", None)
     if existing is not None and existing.active:
         raise ValueError(
@@ -48,11 +57,10 @@ def wrap(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0.
     _check_not_compiled(model)
     adapter = get_adapter(model)
     _check_attention(adapter.attn_implementation)
-    pruner = make_method(config.method, _method_options(config))
-    stages = config.stages if config.stages is not None else pruner.default_stages(adapter.num_layers, config.keep)
-    if stages:
-        _check_stages(stages, adapter, pruner, config)
-    handle = PruneHandle(model, adapter, pruner, config, tuple(stages), record_indices=record_indices)
+    if scorer is not None and config.options:
+        raise ValueError(f"options {sorted(config.options)} are for named methods; set them on the scorer instance.")
+    scorer = resolve(scorer or config.method, config.options, debias=config.debias, seed=config.seed, model=model)
+    handle = PruneHandle(model, adapter, make_plan(config, scorer, adapter), config, record_indices=record_indices)
     model._vtprune_handle = handle
     return handle
 
@@ -76,15 +84,6 @@ def _config_from(method: str, keep: float, options: dict[str, Any]) -> PruneConf
     return PruneConfig(method=method, keep=keep, options=dict(options), **config_options)
 
 
-def _method_options(config: PruneConfig) -> dict[str, Any]:
-    options = dict(config.options)
-    if config.method == "random":
-        options.setdefault("seed", config.seed)
-    if config.debias:
-        options.setdefault("debias", config.debias)
-    return options
-
-
 def _check_not_compiled(model: nn.Module) -> None:
     """Refuse a model compiled before wrapping: its traced graphs would silently skip the hooks."""
     compiled = (
@@ -105,32 +104,4 @@ def _check_attention(implementation: str) -> None:
         raise ValueError(
             f"attn_implementation={implementation!r} is not supported by vtprune; load the model with "
             "attn_implementation='sdpa' (default), 'eager' or 'flash_attention_2'."
-        )
-
-
-def _check_stages(stages: tuple[Stage, ...], adapter, method: Method, config: PruneConfig) -> None:
-    validate_stages(stages, adapter.num_layers)
-    first_allowed = adapter.min_prune_layer()
-    if stages[0].layer < first_allowed:
-        raise ValueError(
-            f"{adapter.config.model_type} cannot prune before layer {first_allowed} (got layer {stages[0].layer}): "
-            f"DeepStack features are still added to the visual tokens there; use layer >= {first_allowed}."
-        )
-    if stages[0].layer == 0 and not method.supports_pre_llm:
-        raise ValueError(
-            f"method {config.method!r} scores with language-model attention and cannot prune before the "
-            "first decoder layer (layer 0); use a layer >= 1, e.g. schedule='2:0.25'."
-        )
-    for previous, stage in zip((None, *stages[:-1]), stages):
-        score_layer = method.score_layer(stage)
-        lowest = 0 if previous is None else previous.layer
-        if stage.layer > 0 and score_layer < lowest:
-            raise ValueError(
-                f"method {config.method!r} scores the stage at layer {stage.layer} at layer {score_layer}, before "
-                f"the previous stage at layer {lowest}; space the stages at least {method.score_offset} layer(s) apart."
-            )
-    if config.positions == "compact" and not adapter.supports_compact_positions:
-        raise ValueError(
-            f"positions='compact' is not supported for {adapter.config.model_type} (3-D M-RoPE positions); "
-            "use positions='original'."
         )

@@ -140,7 +140,7 @@ def command_info(args: argparse.Namespace) -> int:
 
     import vtprune
     from vtprune.adapters import supported_model_types
-    from vtprune.methods import METHODS, list_methods
+    from vtprune.methods import describe, list_methods
 
     print(f"vtprune {vtprune.__version__}  torch {torch.__version__}  transformers {transformers.__version__}  "
           f"python {platform.python_version()}")
@@ -148,7 +148,7 @@ def command_info(args: argparse.Namespace) -> int:
     print("model types: " + ", ".join(supported_model_types()))
     print("methods:")
     for name in list_methods():
-        print(f"  {name:<12} {METHODS[name].description}")
+        print(f"  {name:<12} {describe(name)}")
     return 0
 
 

@@ -65,7 +65,7 @@ def pruning_choice(args: argparse.Namespace) -> Pruning:
 def check_pruning(choice: Pruning) -> None:
     """Method name, its options and the schedule syntax, checked without a model (depth is checked at wrap)."""
     from vtprune.config import PruneConfig, validate_stages
-    from vtprune.methods import make_method
+    from vtprune.methods import resolve
 
     config_keys = ("schedule", "layer", "positions", "debias", "seed")
     fields = {k: v for k, v in choice.options.items() if k in config_keys}
@@ -74,9 +74,7 @@ def check_pruning(choice: Pruning) -> None:
         config = PruneConfig(method=choice.method, keep=choice.keep, options=method_options, **fields)
         if config.stages:
             validate_stages(config.stages, 1 << 20)  # order and keep fractions now; the depth at wrap time
-        if config.debias:
-            method_options["debias"] = config.debias
-        make_method(config.method, method_options)
+        resolve(config.method, method_options, debias=config.debias)
     except UserError:
         raise
     except ValueError as error:
@@ -113,7 +111,7 @@ def debias_option(value: str) -> bool | str:
         return True
     if word in FALSE_WORDS:
         return False
-    from vtprune.criteria.debias import check_debias_option
+    from vtprune.methods.debias import check_debias_option
 
     try:
         return check_debias_option(value)

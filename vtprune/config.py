@@ -25,6 +25,15 @@ class Stage:
     keep: float
 
 
+def split_method_name(name: str) -> tuple[str, bool]:
+    """``"fastv+debias"`` -> ``("fastv", True)``; the only place the ``+debias`` suffix is parsed."""
+    base, *suffixes = name.split("+")
+    for suffix in suffixes:
+        if suffix != "debias":
+            raise ValueError(f"unknown method suffix '+{suffix}' in {name!r}; only '+debias' exists.")
+    return base, bool(suffixes)
+
+
 def keep_count(keep: float, n: int) -> int:
     """Number of visual tokens kept from ``n`` at fraction ``keep`` (round half up, at least 1, at most n)."""
     if n <= 0:
@@ -121,12 +130,8 @@ class PruneConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"method must be a method name such as 'fastv', got {self.method!r}.")
-        base, *suffixes = self.method.split("+")
-        for suffix in suffixes:
-            if suffix != "debias":
-                raise ValueError(f"unknown method suffix '+{suffix}' in {self.method!r}; only '+debias' exists.")
-            self.debias = self.debias or True
-        self.method = base
+        self.method, debias = split_method_name(self.method)
+        self.debias = self.debias or debias
         self.keep = check_keep(self.keep)
         if self.positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {self.positions!r}.")

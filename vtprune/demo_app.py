@@ -102,41 +102,27 @@ class VideoComparison:
 
 
 class ScoreRecorder:
-    """Records what a method instance scored (first stage) and which kept tokens its ``refine`` rewrote."""
+    """Observes a handle's stages (sample 0): scores by grid ordinal, where they were scored, merged tokens."""
 
-    def __init__(self, method: Any) -> None:
+    def __init__(self, handle: Any) -> None:
         self.scores: dict[int, np.ndarray] = {}
         self.scored_at: dict[int, int] = {}
         self.merged: dict[int, list[int]] = {}
-        self._wrap(method)
+        handle.observe(self.record)
 
-    def _wrap(self, method: Any) -> None:
-        score, refine = method.score, method.refine
-
-        def recording_score(ctx, stage):
-            values = score(ctx, stage)
-            self.scores[stage.layer] = _by_ordinal(ctx, values)
-            self.scored_at[stage.layer] = ctx.layer_index
-            return values
-
-        def recording_refine(ctx, stage, keep, scores, hidden):
-            before = hidden.clone()
-            keep, after = refine(ctx, stage, keep, scores, hidden)
-            if after.shape == before.shape:
-                changed = (after != before).any(dim=-1) & keep & ctx.visual
-                self.merged[stage.layer] = sorted(ctx.ordinal[0][changed[0]].tolist())
-            return keep, after
-
-        method.score = recording_score
-        method.refine = recording_refine
+    def record(self, record: Any) -> None:
+        layer = record.stage.layer
+        self.scores[layer] = _by_ordinal(record, record.scores)
+        self.scored_at[layer] = record.score_layer
+        if record.merged is not None:
+            self.merged[layer] = sorted(record.ordinal[0][record.merged[0]].tolist())
 
 
-def _by_ordinal(ctx: Any, values: torch.Tensor) -> np.ndarray:
+def _by_ordinal(record: Any, values: torch.Tensor) -> np.ndarray:
     """Scores of sample 0 in grid order, ``NaN`` for tokens already pruned."""
-    total = int(ctx.num_visual[0])
-    out = np.full(total, np.nan)
-    alive = ctx.visual[0] & ctx.valid[0]
-    ordinals = ctx.ordinal[0][alive].cpu().numpy()
+    out = np.full(record.visual_tokens[0], np.nan)
+    alive = record.visual[0]
+    ordinals = record.ordinal[0][alive].cpu().numpy()
     out[ordinals] = values[0][alive].float().cpu().numpy()
     return out
 
@@ -202,7 +188,7 @@ class DemoRunner:
             try:
                 if method == "oracle":
                     handle.set_evidence([_oracle_evidence(image, question, grid)])
-                recorder = ScoreRecorder(handle.method)
+                recorder = ScoreRecorder(handle)
                 pruned = self._run(image, question, handle, text_tokens)
             finally:
                 handle.remove()

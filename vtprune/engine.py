@@ -27,9 +27,19 @@ from torch import nn
 from vtprune import decode, prefill
 from vtprune.adapters.base import Adapter
 from vtprune.calls import CallRegistry
-from vtprune.config import PruneConfig, Stage, keep_count
-from vtprune.methods import Method
-from vtprune.state import CallState, CallStats, LazySegments, Timer, kept_ordinals, visual_ordinals
+from vtprune.config import PruneConfig
+from vtprune.methods.base import Capture, Scorer
+from vtprune.methods.debias import Debiased
+from vtprune.plan import Plan
+from vtprune.state import (
+    CallState,
+    CallStats,
+    LazySegments,
+    StageRecord,
+    Timer,
+    kept_ordinals,
+    visual_ordinals,
+)
 
 MAX_STATS = 1000
 RECORD_INDICES = 8
@@ -44,19 +54,24 @@ PICKLE_MESSAGE = "a model wrapped by vtprune cannot be pickled; call handle.remo
 class PruneHandle:
     """A wrapped model's pruning hooks and statistics. Create it with :func:`vtprune.wrap`."""
 
-    def __init__(self, model: nn.Module, adapter: Adapter, method: Method, config: PruneConfig,
-                 stages: tuple[Stage, ...], record_indices: int = RECORD_INDICES) -> None:
-        self.model, self.adapter, self.method, self.config = model, adapter, method, config
-        self.stages = stages
+    def __init__(self, model: nn.Module, adapter: Adapter, plan: Plan, config: PruneConfig,
+                 record_indices: int = RECORD_INDICES) -> None:
+        self.model, self.adapter, self.plan, self.config = model, adapter, plan, config
+        self.scorer, self.stages = plan.scorer, plan.stages
         self.stats: deque[CallStats] = deque(maxlen=MAX_STATS)
         self.record_indices = int(record_indices)
         self.calls = CallRegistry()
+        self.observers: list[Callable[[StageRecord], None]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._warned_training = False
-        self.llm_stages = [s for s in stages if s.layer > 0]
-        self.score_layers = {method.score_layer(s): i for i, s in enumerate(stages) if s.layer > 0}
-        self.region_of_layer = [sum(1 for s in self.llm_stages if s.layer <= i) for i in range(adapter.num_layers)]
+        self.score_layers = plan.score_layers()
+        self.region_of_layer = plan.regions(adapter.num_layers)
         self._register()
+
+    @property
+    def method(self) -> Scorer:
+        """The scorer (the name before 0.2)."""
+        return self.scorer
 
     # -- public API ------------------------------------------------------------------------------------
     @property
@@ -98,8 +113,14 @@ class PruneHandle:
         return call.method_state
 
     def add_hook(self, hook: torch.utils.hooks.RemovableHandle) -> None:
-        """Adopt a hook registered by a method so that :meth:`remove` removes it too."""
+        """Adopt a hook registered elsewhere so that :meth:`remove` removes it too."""
         self._hooks.append(hook)
+
+    def observe(self, observer: Callable[[StageRecord], None]) -> Callable[[], None]:
+        """Call ``observer(record)`` at every stage of every prefill (scores, kept slots, counts); returns a
+        function that stops it. Records hold the call's tensors: keep only what you need."""
+        self.observers.append(observer)
+        return lambda: self.observers.remove(observer) if observer in self.observers else None
 
     def remove(self) -> None:
         """Remove every hook and drop every call state; the model is the pristine model again."""
@@ -128,28 +149,30 @@ class PruneHandle:
 
     def __repr__(self) -> str:
         stages = ", ".join(f"{s.layer}:{s.keep:g}" for s in self.stages)
-        debias = getattr(self.method, "debias", False)
+        debias = getattr(self.scorer, "option", None) if isinstance(self.scorer, Debiased) else None
         extra = f", debias={debias!r}" if debias else ""
-        return f"PruneHandle(method={self.config.method!r}, stages=[{stages}]{extra}, active={self.active})"
+        return f"PruneHandle(method={self.scorer.name!r}, stages=[{stages}]{extra}, active={self.active})"
 
     # -- registration -------------------------------------------------------------------------------------
     def _register(self) -> None:
+        captures = self.scorer.captures(self.adapter, self.stages)  # may raise: before any hook exists
         model = self.model
         pre, post = EagerHook(self._model_pre_hook), EagerHook(self._model_post_hook)
         self._hooks.append(model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
         self._hooks.append(model.register_forward_hook(post, with_kwargs=True, always_call=True))
         lm = self.adapter.language_model
         self._hooks.append(lm.register_forward_pre_hook(EagerHook(self._lm_pre_hook), with_kwargs=True))
-        first = min((s.layer for s in self.llm_stages), default=None)
+        first = min((s.layer for s in self.plan.llm_stages), default=None)
         for index, layer in enumerate(self.adapter.decoder_layers):
             if index in self.score_layers or (first is not None and index >= first):
                 hook = layer.register_forward_pre_hook(EagerHook(LayerHook(self, index)), with_kwargs=True)
                 self._hooks.append(hook)
-        self.method.prepare(self)
-
-    def eager(self, fn: Callable) -> EagerHook:
-        """``fn`` as a hook that torch.compile runs eagerly (methods wrap their capture hooks with it)."""
-        return EagerHook(fn)
+        for capture in captures:
+            hook = EagerHook(CaptureHook(self, capture))
+            if capture.before:
+                self._hooks.append(capture.module.register_forward_pre_hook(hook, with_kwargs=True))
+            else:
+                self._hooks.append(capture.module.register_forward_hook(hook, with_kwargs=True))
 
     # -- whole-model hooks --------------------------------------------------------------------------
     def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -190,13 +213,14 @@ class PruneHandle:
         inputs.pop("past_key_values", None)
         counts = [int(n) for n in counts]
         # Kept counts of every stage, moved to the device once per call (the only host-to-device copy).
-        plan = [[keep_count(stage.keep, n) for n in counts] for stage in self.stages] or [counts]
+        plan = self.plan.kept_counts(counts) or [counts]
         return CallState(
             num_visual=visual.sum(dim=1),
             visual_counts=counts,
             prompt_length=input_ids.shape[1],
             stats=CallStats(visual_tokens=counts, timer=Timer(visual.device)),
             stage_counts=torch.tensor(plan, device=visual.device),
+            planned=plan,
             segments=LazySegments(lambda: self.adapter.segments(input_ids, inputs)),
             inputs=inputs,
             visual=visual,
@@ -287,6 +311,18 @@ class LayerHook:
         if not call.views:
             return None
         return prefill.layer(self.handle, call, self.index, module, args, kwargs)
+
+
+class CaptureHook:
+    """A scorer's :class:`~vtprune.methods.base.Capture`, fed the call's own state (nothing while decoding)."""
+
+    def __init__(self, handle: PruneHandle, capture: Capture) -> None:
+        self.handle, self.capture = handle, capture
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any = None) -> None:
+        state = self.handle.call_state(outside=self.capture.outside_forward)
+        if state is not None:
+            self.capture.fn(state, module, args, kwargs, output)
 
 
 def _cache_of(kwargs: dict) -> Any:

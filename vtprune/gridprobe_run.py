@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vtprune.api import wrap
+from vtprune.config import PruneConfig, split_method_name
 from vtprune.flops import LMShape, prefill_flops, tokens_per_layer
 from vtprune.gridprobe import (
     Selection,
@@ -153,7 +155,6 @@ def _answer(model: Any, processor: Any, frames: list[Image.Image], prompt: str, 
             token_method: str | None, keep: float, frame_budget: str, wrap_options: dict | None,
             max_new_tokens: int) -> tuple[PassOutput, str, str | None, dict[str, float] | None]:
     """The focused pass (pruned by ``token_method``): ``(pass, answer, letter, letter probabilities)``."""
-    from vtprune.frame_budget import wrap_frames
 
     handle = None
     if token_method is not None:
@@ -270,3 +271,26 @@ def _count_tokens(model: Any, processor: Any, frame_lists: list[list[Image.Image
     valid = inputs["attention_mask"].bool()
     visual = int((get_adapter(model).visual_mask(inputs["input_ids"]) & valid).sum())
     return int(valid.sum()) - visual, visual, None
+
+
+FRAME_BUDGETS = ("global", "per_frame")
+
+
+def method_config(method: str, keep: float, frame_budget: str = "global", **options: Any) -> PruneConfig:
+    """The :class:`PruneConfig` of ``method`` with ``frame_budget`` applied (``per_frame`` wraps it)."""
+    if frame_budget not in FRAME_BUDGETS:
+        raise ValueError(f"frame_budget must be one of {', '.join(FRAME_BUDGETS)}, got {frame_budget!r}.")
+    fields = {k: options.pop(k) for k in ("schedule", "layer", "positions", "debias", "seed") if k in options}
+    if frame_budget == "global":
+        return PruneConfig(method=method, keep=keep, options=options, **fields)
+    base, debias = split_method_name(method)
+    if base == "random":
+        options.setdefault("seed", fields.get("seed", 0))
+    return PruneConfig(method="per_frame" + ("+debias" if debias else ""), keep=keep,
+                       options={"base": base, "base_options": options}, **fields)
+
+
+def wrap_frames(model: Any, method: str = "fastv", keep: float = 0.25, frame_budget: str = "global",
+                **options: Any):
+    """:func:`vtprune.wrap` with a ``frame_budget`` option (``"global"`` or ``"per_frame"``)."""
+    return wrap(model, method_config(method, keep, frame_budget, **options))

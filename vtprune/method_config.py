@@ -15,7 +15,11 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from vtprune.config import split_method_name
 from vtprune.errors import UserError
+from vtprune.methods import METHODS, list_methods, resolve
+from vtprune.methods.debias import read_calibration
+from vtprune.methods.registry import option_names
 
 CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
 
@@ -73,13 +77,11 @@ def _read_json(file: Path, name: str) -> dict[str, Any]:
 
 def _check_method_names(name: str, outer: Any, inner: Any, prefix: str) -> str | None:
     """The file's method (top-level ``method`` of a tune file, or ``method`` among the options)."""
-    from vtprune.methods import list_methods
-
     known = list_methods()
     for key, value in (("method", outer), (f"{prefix}method", inner)):
         if value is None:
             continue
-        if not isinstance(value, str) or value.split("+")[0] not in known:
+        if not isinstance(value, str) or _base(value) not in known:
             raise UserError(f"method config {name!r}: field {key!r} must be one of {', '.join(known)}, got {value!r}.")
     if outer is not None and inner is not None and outer != inner:
         raise UserError(f"method config {name!r}: fields 'method' ({outer!r}) and {prefix + 'method'!r} ({inner!r}) "
@@ -134,30 +136,45 @@ def _debias_value(value: Any, where: str, file: Path) -> bool | str:
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise UserError(f"{where}: calibration file {value!r} does not exist; create it with `vtprune calibrate`.")
-    from vtprune.criteria.debias import read_calibration
-
     _as_user(lambda: read_calibration(found), where)
     return str(found)
 
 
 def _check_method_options(method: str, options: dict[str, Any], name: str, prefix: str) -> None:
     """Option types against the method's dataclass fields, then the method's own constructor checks."""
-    from vtprune.methods import METHODS, make_method
-
-    base = method.split("+")[0]
-    cls = METHODS.get(base)
-    known = {f.name: str(f.type) for f in fields(cls)} if cls is not None and is_dataclass(cls) else {}
+    base = _base(method)
+    factory = METHODS.get(base)
+    if factory is not None and is_dataclass(factory):
+        known = {f.name: str(f.type) for f in fields(factory)}
+    else:
+        known = {option: "" for option in option_names(base)} if factory is not None else {}
     method_options = {k: v for k, v in options.items() if k not in (*CONFIG_FIELDS, "keep")}
     for key, value in method_options.items():
-        if known and key not in known:
+        if factory is not None and key not in known:
             raise UserError(f"method config {name!r}: field '{prefix}{key}' is not an option of {base} (its options: "
                             f"{', '.join(known) or 'none'}; wrap() also takes keep, {', '.join(CONFIG_FIELDS)}).")
-        if key in known and not _matches(value, known[key]):
+        if known.get(key) and not _matches(value, known[key]):
             raise UserError(f"method config {name!r}: field '{prefix}{key}' of {base} must be {known[key]}, "
                             f"got {value!r}.")
-    if options.get("debias") and "debias" in known:
-        method_options["debias"] = options["debias"]
-    _as_user(lambda: make_method(base, method_options), f"method config {name!r} ({base})")
+    _as_user(lambda: resolve(base, method_options), f"method config {name!r} ({base})")
+
+
+def _base(method: str) -> str | None:
+    """The method name without its ``+debias`` suffix, or None for a malformed name."""
+    try:
+        return split_method_name(method)[0]
+    except ValueError:
+        return None
+
+
+def load_method_config(path: str) -> dict[str, Any]:
+    """Options saved by ``vtprune tune`` (a JSON object of :func:`vtprune.wrap` keyword arguments), validated.
+
+    Wrong types, non-finite numbers, bad keep fractions / schedules and options the file's method does not
+    take raise :class:`vtprune.errors.UserError` naming the file and the field, at load time. The file's
+    ``method`` is not among the returned options: :func:`read_method_config` gives it.
+    """
+    return read_method_config(path).options
 
 
 def _matches(value: Any, annotation: str) -> bool:

@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from vtprune.config import Stage, keep_count
 from vtprune.layout import attention_mask_for, gather_tokens, mask_style
-from vtprune.methods import Method
+from vtprune.methods.base import merge_step
 from vtprune.scoring import ScoreContext
-from vtprune.state import CallState, StageView, next_view, repad_known, select_keep
+from vtprune.state import CallState, StageRecord, StageView, next_view, repad_known, select_keep
 
 if TYPE_CHECKING:
     from vtprune.engine import PruneHandle
@@ -55,10 +54,9 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
 
 
 def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
-    stage = handle.stages[0]
     embeds = kwargs["inputs_embeds"]
-    ctx = context(handle, call, view, embeds, -1, None, None)
-    keep, embeds, new = select(handle, call, ctx, stage, view, embeds)
+    ctx = context(handle, call, view, embeds, -1, None, None, 0)
+    keep, embeds, new = select(handle, call, ctx, view, embeds)
     kwargs = dict(kwargs)
     kwargs["inputs_embeds"] = gather_tokens(embeds, new.index_in_previous, 1)
     kwargs["attention_mask"] = new.valid.long()
@@ -78,15 +76,16 @@ def layer(handle: PruneHandle, call: CallState, index: int, module: nn.Module, a
     hidden = args[0] if args else kwargs["hidden_states"]
     original = kwargs
     kwargs = apply_view(handle, call, original)
-    stages, method = handle.stages, handle.method
+    stages, scorer = handle.stages, handle.scorer
     while call.next_stage < len(stages):
         stage = stages[call.next_stage]
-        ctx = context(handle, call, call.view, hidden, index, module, kwargs.get("position_embeddings"))
-        if method.score_layer(stage) == index and call.pending_scores is None:
-            call.pending_scores = method.score(ctx, stage)
+        ctx = context(handle, call, call.view, hidden, index, module, kwargs.get("position_embeddings"),
+                      call.next_stage)
+        if scorer.score_layer(stage) == index and call.pending_scores is None:
+            call.pending_scores = scorer.score(ctx)
         if stage.layer != index:
             break
-        _, hidden, new = select(handle, call, ctx, stage, call.view, hidden)
+        _, hidden, new = select(handle, call, ctx, call.view, hidden)
         hidden = gather_tokens(hidden, new.index_in_previous, 1)
         call.views.append(new)
         call.next_stage += 1
@@ -128,39 +127,47 @@ def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
 
 
 def context(handle: PruneHandle, call: CallState, view: StageView, hidden: torch.Tensor, index: int,
-            layer_module: nn.Module | None, embeddings: Any) -> ScoreContext:
+            layer_module: nn.Module | None, embeddings: Any, stage_index: int) -> ScoreContext:
     return ScoreContext(
         hidden=hidden, layer_index=index, layer=layer_module, position_embeddings=embeddings,
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
         segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
-        visual_counts=call.visual_counts,
+        visual_counts=call.visual_counts, stage=handle.stages[stage_index], stage_index=stage_index,
     )
 
 
-def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, stage: Stage, view: StageView,
-           hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, StageView]:
-    """Keep mask ``[B, L]``, hidden states (possibly merged) and the next view of one stage; records stats."""
-    method = handle.method
+def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageView, hidden: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, StageView]:
+    """Keep mask ``[B, L]``, hidden states (merged if the scorer merges) and the next view of one stage."""
+    scorer, stage, index = handle.scorer, ctx.stage, ctx.stage_index
     scores = call.pending_scores
     if scores is None or scores.shape != view.valid.shape:
-        scores = method.score(ctx, stage)
+        scores = scorer.score(ctx)
     call.pending_scores = None
-    counts = [min(keep_count(stage.keep, n), alive) for n, alive in zip(call.visual_counts, view.alive, strict=True)]
+    counts = [min(n, alive) for n, alive in zip(call.planned[index], view.alive, strict=True)]
     device = view.valid.device
-    counts_t = torch.minimum(call.stage_counts[handle.stages.index(stage)].to(device), view.alive_count)
-    keep = select_keep(scores.to(device), view.visual, view.valid, counts_t,
+    counts_t = torch.minimum(call.stage_counts[index].to(device), view.alive_count)
+    kept = select_keep(scores.to(device), view.visual, view.valid, counts_t,
                        width=max(view.alive, default=0), k_max=max(counts, default=0))
-    keep, hidden = method.refine(ctx, stage, keep, scores, hidden)
-    if type(method).refine is not Method.refine:  # the method may have changed the mask: read the counts
-        counts_t = (keep & view.visual).sum(dim=1)
-        alive, lengths = torch.stack([counts_t, keep.sum(dim=1)]).tolist()
+    merge, merged = merge_step(scorer), None
+    if merge is not None:  # an explicit step after selection: it may change the mask, so read the counts
+        before = hidden.clone() if handle.observers else None
+        kept, hidden = merge(ctx, kept, scores, hidden)
+        if before is not None and before.shape == hidden.shape:
+            merged = (hidden != before).any(dim=-1) & kept & view.visual
+        counts_t = (kept & view.visual).sum(dim=1)
+        alive, lengths = torch.stack([counts_t, kept.sum(dim=1)]).tolist()
     else:
         alive = counts
-        lengths = [text + kept for text, kept in zip(call.text_counts, counts, strict=True)]
-    layout = repad_known(keep, call.left_padding, lengths)
+        lengths = [text + n for text, n in zip(call.text_counts, counts, strict=True)]
+    layout = repad_known(kept, call.left_padding, lengths)
     new = next_view(view, layout, lengths, alive, counts_t)
     new.index_in_previous = layout.index
     call.stats.stage_layers.append(stage.layer)
     call.stats.kept.append(list(alive))
     call.stage_ordinals.append(new.ordinal)
-    return keep, hidden, new
+    for observer in handle.observers:
+        observer(StageRecord(stage=stage, score_layer=scorer.score_layer(stage) if stage.layer else -1, scores=scores,
+                             kept=kept, visual=view.visual, ordinal=view.ordinal, counts=list(alive),
+                             visual_tokens=call.visual_counts, merged=merged))
+    return kept, hidden, new

@@ -7,6 +7,7 @@ FlashAttention and no ``L x L`` matrix is ever built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from vtprune.adapters.base import Adapter, VisualSegment
+from vtprune.config import Stage
 
 
 @dataclass
@@ -33,7 +35,9 @@ class ScoreContext:
         on the host (``list[int]``), to size tensors without reading the device.
     segments: per sample, its images / videos (grids) in visual-token order (computed on first use).
     inputs: the model call's keyword inputs (``pixel_values``, ``image_sizes``, grids ...).
-    state: per-forward scratch space of the method (cleared at each new prefill).
+    state: the call's scratch space (the scorer's captures land here; dropped when the prefill returns).
+    stage: the stage being scored (``layer``, ``keep``).
+    attention_filter: applied to every :meth:`attention` result (set by ``Debiased``).
     """
 
     hidden: torch.Tensor
@@ -49,6 +53,9 @@ class ScoreContext:
     inputs: dict[str, Any] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     visual_counts: list[int] | None = None
+    stage: Stage | None = None
+    stage_index: int = 0
+    attention_filter: Callable[[ScoreContext, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.visual_counts is None:
@@ -99,4 +106,5 @@ class ScoreContext:
             scaling=float(getattr(self.layer.self_attn, "scaling", query.shape[-1] ** -0.5)),
             check=False,
         )
-        return scores.to(self.valid.device)
+        scores = scores.to(self.valid.device)
+        return scores if self.attention_filter is None else self.attention_filter(self, scores)

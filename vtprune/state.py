@@ -105,6 +105,25 @@ class StageView:
 
 
 @dataclass
+class StageRecord:
+    """What one stage of a prefill did, for observers (``handle.observe``): the scores ``[B, L]`` of the slots
+    it ranked (taken at decoder layer ``score_layer``, -1 before the LLM), the ``kept`` mask ``[B, L]`` (after
+    any merge step), which slots were ``visual`` and their ``ordinal`` in the sample's visual tokens (``-1``
+    elsewhere), the visual tokens kept per sample (``counts``) out of ``visual_tokens``, and ``merged``: kept
+    slots a merge step rewrote (or None)."""
+
+    stage: Any
+    score_layer: int
+    scores: torch.Tensor
+    kept: torch.Tensor
+    visual: torch.Tensor
+    ordinal: torch.Tensor
+    counts: list[int]
+    visual_tokens: list[int]
+    merged: torch.Tensor | None = None
+
+
+@dataclass
 class DecodeRegion:
     """What a decode step needs for the layers of one in-LM stage: its kept slots ``valid`` ``[B, L_s]``."""
 
@@ -122,6 +141,7 @@ class CallState:
     prompt_length: int
     stats: CallStats
     stage_counts: torch.Tensor | None = None
+    planned: list[list[int]] = field(default_factory=list)
     segments: list[list[VisualSegment]] | None = None
     inputs: dict[str, Any] | None = None
     visual: torch.Tensor | None = None

@@ -93,7 +93,7 @@ def prune_config(options: dict[str, Any]) -> Any:
     unknown name or option raises vtprune's ``ValueError`` here, before the model is loaded.
     """
     from vtprune.config import PruneConfig
-    from vtprune.methods import make_method
+    from vtprune.methods import resolve
 
     merged = _with_config_file(options)
     fields = {k: merged.pop(k) for k in CONFIG_FIELDS if k in merged}
@@ -101,10 +101,7 @@ def prune_config(options: dict[str, Any]) -> Any:
         fields["schedule"] = str(fields["schedule"])
     config = PruneConfig(method=str(merged.pop("method", "fastv")), keep=merged.pop("keep", 0.25),
                          options=merged, **fields)
-    method_options = dict(config.options)
-    if config.debias:
-        method_options["debias"] = config.debias
-    make_method(config.method, method_options)
+    resolve(config.method, config.options, debias=config.debias)
     return config
 
 

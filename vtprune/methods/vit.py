@@ -8,14 +8,15 @@ Qwen-VL's ViT (2-D rotary, windowed blocks, patch merger) is not supported.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from vtprune.adapters.base import VisualSegment
-
-SUPPORTED_MODEL_TYPES = ("llava", "llava_next", "llava_onevision")
+from vtprune.methods.tiles import image_layouts, tile_values
 
 
 # -- pure functions ----------------------------------------------------------------------------------------
@@ -87,8 +88,8 @@ def encoder_layers(adapter: Any) -> nn.ModuleList:
     layers = getattr(getattr(body, "encoder", None), "layers", None)
     if layers is None or not all(hasattr(layer, "layer_norm1") for layer in layers):
         raise ValueError(
-            f"vflowopt needs a CLIP or SigLIP vision tower; {type(tower).__name__} is not one. Supported model "
-            f"types: {', '.join(SUPPORTED_MODEL_TYPES)}; use 'transprune' or 'fastv' for others."
+            f"vflowopt needs a CLIP or SigLIP vision tower; {type(tower).__name__} is not one (the model's adapter "
+            "must offer 'clip_tower'); use 'transprune' or 'fastv' for it."
         )
     return layers
 
@@ -122,7 +123,7 @@ def arrange(adapter: Any, crops: torch.Tensor, inputs: dict, num_visual: list[in
     grids (segments) of its images, used for the recycling cells.
 
     LLaVA: one crop per image. LLaVA-NeXT / OneVision: base view then the tile grid arranged as the model
-    packs its features (:mod:`vtprune.criteria.tiles`), newline tokens 1.0 so they are never pruned (as
+    packs its features (:mod:`vtprune.methods.tiles`), newline tokens 1.0 so they are never pruned (as
     in VFlowOpt). The grids come from the same layouts (the adapter's segments need ``image_sizes``, which
     ``generate`` does not pass on).
     """
@@ -154,8 +155,6 @@ def _llava_images(adapter: Any, crops: torch.Tensor) -> list[tuple[torch.Tensor,
 
 
 def _tiled_images(adapter: Any, crops: torch.Tensor, inputs: dict) -> list[tuple[torch.Tensor, list[VisualSegment]]]:
-    from vtprune.criteria.tiles import image_layouts, tile_values
-
     side = adapter.config.vision_config.image_size // adapter.config.vision_config.patch_size
     layouts = image_layouts(adapter, inputs, crops.shape[0])
     images = []
@@ -175,9 +174,6 @@ def pixel_statistics(adapter: Any, mean: list[float] | None, std: list[float] | 
     Order: the explicit options; the ``preprocessor_config.json`` / ``processor_config.json`` next to the
     model (``config._name_or_path``); else the tower's usual values (SigLIP 0.5 / 0.5, CLIP OpenAI stats).
     """
-    import json
-    from pathlib import Path
-
     if mean is not None and std is not None:
         return list(mean), list(std)
     folder = Path(getattr(adapter.config, "_name_or_path", "") or "/nonexistent")

@@ -22,24 +22,23 @@ over the whole sequence. Under per-frame budgets only its within-frame ordering 
 quotas replace the recency correction, and inside a frame the correction spans ``sigma * n_f / N_total``
 (nearly flat when there are many frames).
 
-Use :func:`wrap_frames` (``frame_budget="per_frame"``) or ``vtprune.wrap(model, "per_frame", keep=0.25,
-base="fastv", base_options={...})`` (importing this module registers ``per_frame``; ``"per_frame+debias"``
-debiases the base method).
+Use ``PerFrame(FastV())`` as a scorer, ``vtprune.wrap(model, "per_frame", keep=0.25, base="fastv",
+base_options={...})`` (``"per_frame+debias"`` debiases the base method), or
+:func:`vtprune.gridprobe.wrap_frames` (``frame_budget="per_frame"``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from vtprune.adapters.base import VisualSegment
-from vtprune.config import PruneConfig, Stage, keep_count
-from vtprune.methods import Method, make_method, register_method
+from vtprune.config import keep_count
+from vtprune.methods.base import Scorer, Wrapper
+from vtprune.methods.registry import register_method, resolve
 from vtprune.scoring import ScoreContext
-
-FRAME_BUDGETS = ("global", "per_frame")
 
 
 def frame_ids(segments: list[VisualSegment], total: int) -> torch.Tensor:
@@ -85,57 +84,12 @@ def per_frame_scores(scores: torch.Tensor, alive: torch.Tensor, frames: torch.Te
     return out
 
 
-@register_method
-@dataclass
-class PerFrameBudget(Method):
-    """Wraps method ``base`` so that every frame keeps its own top ``keep`` fraction of its tokens.
+@dataclass(frozen=True)
+class PerFrame(Wrapper):
+    """Every frame (image) keeps its own top ``keep`` fraction of its tokens, ranked by the inner scorer."""
 
-    ``debias`` is handed to ``base`` (which must support it); ``base_options`` are ``base``'s other options.
-    """
-
-    name: ClassVar[str] = "per_frame"
-    description: ClassVar[str] = "per-frame budgets around method base= (video / multi-image)"
-    base: str = "fastv"
-    debias: bool | str = False
-    base_options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.base, str) or self.base.split("+")[0] in ("per_frame", "gridprobe"):
-            raise ValueError(f"per_frame needs a token method as base=, e.g. base='fastv', got {self.base!r}.")
-        base, *suffixes = self.base.split("+")
-        options = dict(self.base_options)
-        if self.debias or suffixes:
-            options["debias"] = self.debias or True
-        self.inner = make_method(base, options)
-        self.needs = self.inner.needs
-        self.supports_pre_llm = self.inner.supports_pre_llm
-        self.score_offset = self.inner.score_offset
-
-    def __repr__(self) -> str:
-        return f"PerFrameBudget(base={self.inner!r})"
-
-    @property
-    def padding_image_sizes(self) -> Any:  # vtprune.criteria.debias.set_image_sizes writes through to the base
-        return getattr(self.inner, "padding_image_sizes", None)
-
-    @padding_image_sizes.setter
-    def padding_image_sizes(self, value: Any) -> None:
-        self.inner.padding_image_sizes = value
-
-    def default_stages(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        return self.inner.default_stages(num_layers, keep)
-
-    def score_layer(self, stage: Stage) -> int:
-        return self.inner.score_layer(stage)
-
-    def prepare(self, handle: Any) -> None:
-        self.inner.prepare(handle)
-
-    def refine(self, ctx, stage, keep, scores, hidden):
-        return self.inner.refine(ctx, stage, keep, scores, hidden)
-
-    def score(self, ctx: ScoreContext, stage: Stage) -> torch.Tensor:
-        raw = self.inner.score(ctx, stage)
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        raw = self.inner.score(ctx)
         out = torch.zeros(raw.shape, dtype=torch.float32, device=raw.device)
         alive = ctx.visual & ctx.valid
         for row in range(raw.shape[0]):
@@ -144,29 +98,15 @@ class PerFrameBudget(Method):
                 continue
             ids = frame_ids(ctx.segments[row], total).to(raw.device)
             counts = torch.bincount(ids, minlength=int(ids.max()) + 1)
-            quota = torch.tensor([keep_count(stage.keep, int(n)) for n in counts.tolist()], device=raw.device)
+            quota = torch.tensor([keep_count(ctx.stage.keep, int(n)) for n in counts.tolist()], device=raw.device)
             frames = ids[ctx.ordinal[row].clamp(min=0, max=total - 1)]
             out[row] = per_frame_scores(raw[row], alive[row], frames, quota).nan_to_num(neginf=-1e9)
         return out
 
 
-def method_config(method: str, keep: float, frame_budget: str = "global", **options: Any) -> PruneConfig:
-    """The :class:`PruneConfig` of ``method`` with ``frame_budget`` applied (``per_frame`` wraps it)."""
-    if frame_budget not in FRAME_BUDGETS:
-        raise ValueError(f"frame_budget must be one of {', '.join(FRAME_BUDGETS)}, got {frame_budget!r}.")
-    fields = {k: options.pop(k) for k in ("schedule", "layer", "positions", "debias", "seed") if k in options}
-    if frame_budget == "global":
-        return PruneConfig(method=method, keep=keep, options=options, **fields)
-    base, *suffixes = method.split("+")
-    if base == "random":
-        options.setdefault("seed", fields.get("seed", 0))
-    suffix = "".join(f"+{s}" for s in suffixes)
-    return PruneConfig(method="per_frame" + suffix, keep=keep, options={"base": base, "base_options": options},
-                       **fields)
-
-def wrap_frames(model: Any, method: str = "fastv", keep: float = 0.25, frame_budget: str = "global",
-                **options: Any):
-    """:func:`vtprune.wrap` with a ``frame_budget`` option (``"global"`` or ``"per_frame"``)."""
-    import vtprune
-
-    return vtprune.wrap(model, method_config(method, keep, frame_budget, **options))
+@register_method(name="per_frame")
+def per_frame(base: str = "fastv", base_options: dict[str, Any] | None = None, debias: bool | str = False) -> Scorer:
+    """Per-frame budgets around method base= (video / multi-image)."""
+    if not isinstance(base, str) or base.split("+")[0] in ("per_frame", "gridprobe"):
+        raise ValueError(f"per_frame needs a token method as base=, e.g. base='fastv', got {base!r}.")
+    return PerFrame(inner=resolve(base, dict(base_options or {}), debias=debias))

@@ -20,11 +20,16 @@ TransPrune's IGA term)::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vtprune.calibration_check import load_calibration_json
+from vtprune.methods.base import Wrapper
+from vtprune.scoring import ScoreContext
 
 DEFAULT_SIGMA = 1.9
 DEFAULT_TAU = 0.5
@@ -145,8 +150,6 @@ class Debiaser:
 
 def read_calibration(path: str | Path, trend: str | None = None) -> Debiaser:
     """A :class:`Debiaser` from a ``vtprune calibrate`` file; ``trend`` (``"exp"``/``"curve"``) overrides its default."""
-    from vtprune.calibration_check import load_calibration_json
-
     data = load_calibration_json(path, FORMAT)  # every field checked: UserError naming the file and field
     kind = trend or data.get("trend", "exp")
     layers = {}
@@ -200,20 +203,10 @@ def set_image_sizes(handle: Any, sizes: list[tuple[int, int]] | None) -> None:
     handle.set_image_sizes(sizes)
 
 
-def apply_debias(method: Any, ctx: Any, scores: torch.Tensor) -> torch.Tensor:
-    """Debias ``scores`` ``[B, L]`` of ``method`` (which has a ``debias`` option) for the scoring context ``ctx``."""
-    option = getattr(method, "debias", False)
-    if not option:
-        return scores
-    debiaser = method.__dict__.get("_debiaser")
-    if debiaser is None:
-        debiaser = debiaser_for(option, ctx.adapter.model)
-        method.__dict__["_debiaser"] = debiaser
+def debias_scores(debiaser: Debiaser, ctx: Any, scores: torch.Tensor) -> torch.Tensor:
+    """Debias attention ``scores`` ``[B, L]`` for the scoring context ``ctx`` (padding map cached per call)."""
     if "debias_padding" not in ctx.state:
-        inputs = dict(ctx.inputs)
-        sizes = getattr(method, "padding_image_sizes", None)
-        if sizes is not None:
-            inputs.setdefault("vtprune_image_sizes", sizes)
+        inputs = ctx.inputs
         input_ids = inputs.get("input_ids")
         ctx.state["debias_padding"] = (
             ctx.adapter.padding_fraction(input_ids, inputs) if input_ids is not None else None
@@ -221,3 +214,25 @@ def apply_debias(method: Any, ctx: Any, scores: torch.Tensor) -> torch.Tensor:
     weights = debiaser.weights(ctx.ordinal, ctx.num_visual, ctx.layer_index)
     mask = padding_keep_mask(ctx.ordinal, ctx.state["debias_padding"], debiaser.tau)
     return debias(scores, weights, mask)
+
+
+@dataclass(frozen=True)
+class Debiased(Wrapper):
+    """Attention debiasing (arXiv:2508.17807) of every attention row the inner scorer reads.
+
+    FastV and PyramidDrop score with attention only; TransPrune's TTV term is untouched and its IGA term is
+    debiased, as in the paper. ``option`` is what the user passed (``True`` or a calibration file).
+    """
+
+    debiaser: Debiaser = field(default_factory=Debiaser)
+    option: bool | str = True
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.inner.name}+debias"
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return self.inner.score(dataclasses.replace(ctx, attention_filter=self.filter))
+
+    def filter(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
+        return debias_scores(self.debiaser, ctx, scores)

@@ -1,0 +1,61 @@
+"""Reference methods: ``none`` (every token kept, through the same hooks), ``random`` and ``oracle``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vtprune.config import Stage
+from vtprune.methods.base import Scorer
+from vtprune.methods.registry import register_method
+from vtprune.scoring import ScoreContext
+
+
+@register_method
+@dataclass(frozen=True)
+class NoPruning(Scorer):
+    """Keep every token (the unpruned reference through the same hooks)."""
+
+    name: ClassVar[str] = "none"
+
+    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
+        return ()
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        return torch.zeros(ctx.valid.shape, device=ctx.valid.device)
+
+
+@register_method
+@dataclass(frozen=True)
+class RandomPruning(Scorer):
+    """Seeded random subset (baseline); a sample gets the same subset alone or in a batch."""
+
+    name: ClassVar[str] = "random"
+    seed: int = 0
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1000 + ctx.stage.layer)
+        table = torch.rand(max(ctx.visual_counts, default=0) + 1, generator=generator).to(ctx.valid.device)
+        return torch.where(ctx.ordinal >= 0, table[ctx.ordinal.clamp(min=0)], torch.zeros_like(table[:1]))
+
+
+@register_method
+@dataclass(frozen=True)
+class Oracle(Scorer):
+    """Evidence tokens first (benchmark upper reference; ``handle.set_evidence`` gives each sample's weights)."""
+
+    name: ClassVar[str] = "oracle"
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        evidence = ctx.inputs.get("vtprune_evidence")
+        if evidence is None:
+            raise ValueError("method 'oracle' needs the evidence of each sample: call handle.set_evidence([...]).")
+        scores = torch.zeros(ctx.valid.shape, device=ctx.valid.device)
+        for row, values in enumerate(evidence):
+            values = torch.as_tensor(values, dtype=torch.float32, device=scores.device)
+            alive = ctx.ordinal[row] >= 0
+            # Evidence first; among equals, earlier tokens win through the selection's tie rule.
+            scores[row, alive] = values[ctx.ordinal[row, alive]]
+        return scores

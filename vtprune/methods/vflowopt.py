@@ -1,0 +1,155 @@
+"""VFlowOpt (Yang et al., ICCV 2025, arXiv:2508.05211): vision-tower importance map, recycling, progressive drops.
+
+1. **Importance map** from the vision tower: at ViT layer ``vit_layer`` (default: the layer whose output the
+   projector reads), ``relevance_i = mean_{k in K} A_ki`` over the high-receipt tokens
+   ``K = {j : sum_i A_ij > t}`` (fallback: all queries), plus ``alpha * softmax_i(H_i)`` of the grey-level
+   patch entropy of the de-normalised pixels (:mod:`vtprune.methods.entropy`), mapped to the LLM's visual
+   tokens (CLS dropped per the feature-select strategy; NeXT / OneVision tiles arranged by the model's own
+   ``pack_image_features``, newline tokens 1.0).
+2. **Stage 0** (pre-LLM, ``layer=0``): keep the top ``R1`` and **recycle** (``refine``): the pruned tokens
+   plus the ``floor(N / a^2)`` least important kept ones are merged, importance-weighted, into one token per
+   ``a x a`` grid cell, written into the cell's most important member. Recycling runs at the first stage
+   of every image (the release recycles only anyres multi-crop images) and is skipped when the stage
+   prunes nothing (``keep=1`` equals the unwrapped model).
+3. **LLM stages** (default before layers 9 and 18 of 28, scaled by depth): keep ``R1 R2`` then
+   ``R1 R2 R3`` of ``N0``, ranked by the same map (carried by visual ordinal in ``ctx.state``).
+
+Budget: ``budget`` (when given; otherwise the budget whose schedule ends at ``keep``) is the **average retention** ``R̄ = (R1 L1 + R1 R2 L2 + R1 R2 R3 L3) / L``
+(spec 4.5), not the final fraction; ``R3`` is solved from ``R1``, ``R2`` and clipped to ``[0.01, 1]`` unless
+given (then the budget is not enforced). Default
+``R1``, ``R2`` interpolate the released LLaVA-OneVision configurations. Towers: CLIP / SigLIP (LLaVA family);
+Qwen-VL models are rejected at wrap time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from vtprune.config import Stage
+from vtprune.methods import schedules, vit
+from vtprune.methods.base import Capture, Scorer
+from vtprune.methods.entropy import denormalize, entropy_weights, patch_entropy
+from vtprune.methods.functional import lowest_kept, recycle
+from vtprune.methods.registry import register_method
+from vtprune.scoring import ScoreContext
+
+RELEASED_THRESHOLD, RELEASED_CELL, RELEASED_TOKENS, RELEASED_SIDE = 35.0, 15.58, 730, 27
+
+
+@register_method
+@dataclass(frozen=True)
+class VFlowOpt(Scorer):
+    """Vision-tower importance map, pre-LLM recycling, drops at layers 9/18 of 28 (VFlowOpt)."""
+
+    name: ClassVar[str] = "vflowopt"
+    requires: ClassVar[frozenset[str]] = frozenset({"clip_tower"})
+    budget: float | None = None
+    r1: float | None = None
+    r2: float | None = None
+    r3: float | None = None
+    vit_layer: int | None = None
+    threshold: float | None = None
+    alpha: float = 0.0
+    cell: float | None = None
+    layers: tuple[int, ...] | list[int] | None = None
+    recycle: bool = True
+    image_mean: list[float] | None = None
+    image_std: list[float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "r1", "r2", "r3"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < float(value) <= 1.0:
+                raise ValueError(f"{name}={value!r} must be in (0, 1].")
+        if self.cell is not None and float(self.cell) <= 0:
+            raise ValueError(f"cell={self.cell!r} (grid-cell side a, in tokens) must be > 0.")
+
+    # -- schedule ------------------------------------------------------------------------------------------
+    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
+        """Stages for the average-retention ``budget`` if given, else ending exactly at the final ``keep``."""
+        return schedules.vflowopt(num_layers, keep, self.budget, (self.r1, self.r2, self.r3), self.layers)
+
+    # -- captures ------------------------------------------------------------------------------------------
+    def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
+        """The vision tower's pixels (entropy term) and the chosen ViT layer's input (the importance map)."""
+        layers = vit.encoder_layers(adapter)
+        index = vit.feature_layer_index(adapter) if self.vit_layer is None else int(self.vit_layer)
+        if not 0 <= index < len(layers):
+            raise ValueError(f"vit_layer={self.vit_layer} is outside the {len(layers)}-layer vision tower; "
+                             f"use 0..{len(layers) - 1} (None: the projector's feature layer).")
+        stats = vit.pixel_statistics(adapter, self.image_mean, self.image_std)
+        patch = int(adapter.config.vision_config.patch_size)
+        # generate() runs the tower before its first forward: these captures may run outside it.
+        return (Capture(adapter.vision_tower, self._grab_pixels, before=True, outside_forward=True),
+                Capture(layers[index], self._grab_layer(adapter, stats, patch), before=True, outside_forward=True))
+
+    def _grab_pixels(self, state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.alpha:
+            state["vflowopt_pixels"] = args[0] if args else kwargs.get("pixel_values")
+
+    def _grab_layer(self, adapter: Any, stats: tuple, patch: int):
+        def grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            with torch.no_grad():
+                attention = vit.vit_attention(module, hidden)
+                tokens = attention.shape[-1]
+                threshold = self.threshold if self.threshold is not None else RELEASED_THRESHOLD * tokens / RELEASED_TOKENS
+                crops = vit.crop_tokens(adapter, vit.context_relevance(attention, float(threshold)))
+                pixels = state.pop("vflowopt_pixels", None)
+                if self.alpha and pixels is not None:
+                    rgb = denormalize(pixels.reshape(-1, *pixels.shape[-3:]), *stats)
+                    weights = entropy_weights(patch_entropy(rgb, patch)).to(crops.device)
+                    crops = crops.clone()
+                    crops[:, -weights.shape[1]:] += self.alpha * weights
+            state["vflowopt_crops"] = crops
+
+        return grab
+
+    # -- scoring -------------------------------------------------------------------------------------------
+    def importance(self, ctx: ScoreContext) -> torch.Tensor:
+        """The map ``[B, N0max + 1]`` by visual ordinal (built once per call from the captured ViT layer)."""
+        table = ctx.state.get("vflowopt")
+        if table is None:
+            crops = ctx.state.pop("vflowopt_crops", None)
+            if crops is None:
+                raise RuntimeError("vflowopt found no vision-tower map for this call (were images passed?).")
+            counts = [int(n) for n in ctx.num_visual.tolist()]
+            maps = vit.arrange(ctx.adapter, crops, ctx.inputs, counts)
+            table = torch.zeros(len(counts), max(counts) + 1, device=ctx.valid.device)
+            for row, (values, _) in enumerate(maps):
+                table[row, : values.numel()] = values.to(table.device)
+            ctx.state["vflowopt"], ctx.state["vflowopt_grids"] = table, [grids for _, grids in maps]
+        return table
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        table = self.importance(ctx)
+        values = table.gather(1, ctx.ordinal.clamp(min=0))
+        return torch.where(ctx.ordinal >= 0, values, torch.zeros_like(values))
+
+    def cell_side(self, ctx: ScoreContext) -> float:
+        side = ctx.adapter.config.vision_config.image_size // ctx.adapter.config.vision_config.patch_size
+        return float(self.cell) if self.cell is not None else RELEASED_CELL * side / RELEASED_SIDE
+
+    def merge(self, ctx: ScoreContext, keep: torch.Tensor, scores: torch.Tensor,
+              hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recycling at the first stage: merge pruned tokens per grid cell into the cell's top member."""
+        alive = ctx.visual & ctx.valid
+        first = not ctx.state.get("vflowopt_staged")
+        ctx.state["vflowopt_staged"] = True
+        if not (self.recycle and first) or bool(keep[alive].all()):
+            return keep, hidden
+        a = self.cell_side(ctx)
+        n_merge = torch.tensor([math.floor(int(n) / (a * a)) for n in ctx.num_visual.tolist()], device=keep.device)
+        cells = torch.full(ctx.ordinal.shape, -1, dtype=torch.long, device=keep.device)
+        for row, segments in enumerate(ctx.state["vflowopt_grids"]):
+            ids = vit.cell_ids(segments, int(ctx.num_visual[row]), a).to(keep.device)
+            slots = ctx.ordinal[row] >= 0
+            cells[row, slots] = ids[ctx.ordinal[row, slots]]
+        demoted = lowest_kept(scores, keep & alive, n_merge)
+        candidate = alive & (~keep | demoted)
+        representative, hidden = recycle(hidden, scores, candidate, cells)
+        return (keep & ~demoted) | representative, hidden

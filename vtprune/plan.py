@@ -1,0 +1,84 @@
+"""The frozen plan of a wrapped model: the scorer and its stages, checked once at wrap time.
+
+``keep`` flows one way: :class:`~vtprune.config.PruneConfig` -> :func:`make_plan` (the stages) ->
+:meth:`Plan.kept_counts` (per stage and sample, the one rounding rule :func:`~vtprune.config.keep_count`) ->
+the engine (one host-to-device copy per call) -> ``segmented_topk`` -> the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vtprune.adapters.base import Adapter
+from vtprune.config import PruneConfig, Stage, keep_count, validate_stages
+from vtprune.methods.base import Scorer
+
+PRE_LLM_BLOCKERS = frozenset({"attention", "llm_layers"})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a wrapped model does at every prefill: ``scorer`` ranks the visual tokens at each of ``stages``."""
+
+    scorer: Scorer
+    stages: tuple[Stage, ...]
+    positions: str = "original"
+
+    def kept_counts(self, visual_counts: list[int]) -> list[list[int]]:
+        """``[stage][sample]`` visual tokens kept: ``keep_count(stage.keep, n)`` of each sample's ``n``."""
+        return [[keep_count(stage.keep, n) for n in visual_counts] for stage in self.stages]
+
+    @property
+    def llm_stages(self) -> tuple[Stage, ...]:
+        return tuple(s for s in self.stages if s.layer > 0)
+
+    def score_layers(self) -> set[int]:
+        """Decoder layers whose input is scored (a stage at layer K scores layer ``K - score_offset``)."""
+        return {self.scorer.score_layer(s) for s in self.llm_stages}
+
+    def regions(self, num_layers: int) -> list[int]:
+        """For each decoder layer, how many in-LM stages it follows (0: it sees the whole prompt)."""
+        return [sum(1 for s in self.llm_stages if s.layer <= i) for i in range(num_layers)]
+
+
+def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
+    """The plan of ``config`` for ``adapter``'s model: explicit stages or the scorer's schedule, all checked."""
+    missing = sorted(scorer.requires - adapter.capabilities)
+    if missing:
+        raise ValueError(
+            f"method {scorer.name!r} needs {', '.join(missing)}, which {adapter.config.model_type} does not offer "
+            f"(it offers {', '.join(sorted(adapter.capabilities))}); use a method such as 'fastv' or 'transprune'."
+        )
+    stages = config.stages if config.stages is not None else scorer.schedule(adapter.num_layers, config.keep)
+    if stages:
+        check_stages(tuple(stages), adapter, scorer, config)
+    if config.positions == "compact" and "compact_positions" not in adapter.capabilities:
+        raise ValueError(
+            f"positions='compact' is not supported for {adapter.config.model_type} (3-D M-RoPE positions); "
+            "use positions='original'."
+        )
+    return Plan(scorer=scorer, stages=tuple(stages), positions=config.positions)
+
+
+def check_stages(stages: tuple[Stage, ...], adapter: Adapter, scorer: Scorer, config: PruneConfig) -> None:
+    """Layers inside the model and increasing, keeps not growing, each stage scorable where the scorer reads."""
+    validate_stages(stages, adapter.num_layers)
+    first_allowed = adapter.min_prune_layer()
+    if stages[0].layer < first_allowed:
+        raise ValueError(
+            f"{adapter.config.model_type} cannot prune before layer {first_allowed} (got layer {stages[0].layer}): "
+            f"DeepStack features are still added to the visual tokens there; use layer >= {first_allowed}."
+        )
+    if stages[0].layer == 0 and scorer.requires & PRE_LLM_BLOCKERS:
+        raise ValueError(
+            f"method {config.method!r} scores with language-model attention and cannot prune before the "
+            "first decoder layer (layer 0); use a layer >= 1, e.g. schedule='2:0.25'."
+        )
+    for previous, stage in zip((None, *stages[:-1]), stages):
+        score_layer = scorer.score_layer(stage)
+        lowest = 0 if previous is None else previous.layer
+        if stage.layer > 0 and score_layer < lowest:
+            raise ValueError(
+                f"method {config.method!r} scores the stage at layer {stage.layer} at layer {score_layer}, before "
+                f"the previous stage at layer {lowest}; space the stages at least {scorer.score_offset} layer(s) apart."
+            )
