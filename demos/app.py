@@ -1,7 +1,7 @@
 """Gradio demo of vtprune: one image (or video) and question, answered unpruned and pruned, side by side.
 
 Run ``vtprune demo [--model PATH] [--host 127.0.0.1] [--port N]`` or ``python demos/app.py`` (same options).
-The model side (runs, scores, costs, examples) is :mod:`vtprune.demo_app`; pictures are :mod:`demos.overlay`.
+The model side (runs, scores, costs, examples) is :mod:`vtprune.demo.app`; pictures are :mod:`demos.overlay`.
 Model calls go through Gradio's queue one at a time; uploads are checked here (size, kind, upload folder).
 """
 
@@ -23,8 +23,8 @@ from PIL import Image  # noqa: E402
 
 import vtprune  # noqa: E402
 from demos import overlay  # noqa: E402
-from vtprune.cli_checks import check_port, exposure_warning  # noqa: E402
-from vtprune.demo_app import (  # noqa: E402
+from vtprune.cli.checks import check_port, exposure_warning  # noqa: E402
+from vtprune.demo.app import (  # noqa: E402
     MAX_UPLOAD_MB,
     Comparison,
     DemoRunner,
@@ -223,7 +223,7 @@ def on_upload(path: str | None) -> tuple[Any, str]:
 
 def _first_frame(path: str) -> Image.Image | None:
     try:
-        from vtprune.video import load_video
+        from vtprune.media.video import load_video
 
         return overlay.display_image(load_video(path, num_frames=1).frames[0], 320)
     except (ImportError, ValueError, FileNotFoundError):
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--share", action="store_true", help="public Gradio link (off by default)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     args = parser.parse_args(argv)
-    from vtprune.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_device, check_model_spec
 
     try:
         check_port(args.host, args.port)

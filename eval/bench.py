@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
+from vtprune.eval.bench_defaults import DEFAULT_KEEPS, DEFAULT_METHODS
 from vtprune.eval.bench_speed import add_speed_arguments
 
-from vtprune.cli_checks import (
+from vtprune.cli.checks import (
     ATTN_IMPLEMENTATIONS,
     DTYPE_NAMES,
     check_output_dir,
@@ -30,8 +31,6 @@ from vtprune.cli_checks import (
 )
 from vtprune.errors import UserError
 
-DEFAULT_METHODS = "none,random,oracle,fastv,fastv+debias,pdrop,transprune,ttv,vflowopt"
-DEFAULT_KEEPS = "1,0.5,0.33,0.25,0.11"
 SPLITS = ("train", "val", "test", "calib")
 
 
@@ -87,7 +86,7 @@ def evaluate(model, processor, items: list[Item], method: str, keep: float, batc
     from vtprune.adapters import get_adapter
 
     import vtprune
-    from vtprune.pipeline import build_inputs
+    from vtprune.models.pipeline import build_inputs
 
     adapter = get_adapter(model)
     handle = vtprune.wrap(model, method, keep=keep)
@@ -131,7 +130,7 @@ def timing_ms(model, processor, items: list[Item], method: str, keep: float, rep
     per-step overhead of ``generate``.
     """
     import vtprune
-    from vtprune.pipeline import build_inputs
+    from vtprune.models.pipeline import build_inputs
 
     prefill, decode = [], []
     with vtprune.apply(model, method, keep=keep) as handle, torch.inference_mode():
@@ -189,7 +188,7 @@ def run(args: argparse.Namespace) -> Path:
     """The whole benchmark; returns the CSV path."""
     from vtprune.eval.bench_report import conditions, write_report
 
-    from vtprune.loading import load, model_label
+    from vtprune.models.loading import load, model_label
 
     methods = available_methods([m for m in args.methods.split(",") if m])
     if not methods:
@@ -229,7 +228,7 @@ def run(args: argparse.Namespace) -> Path:
 def _text_tokens(model, processor, item: Item) -> int:
     from vtprune.adapters import get_adapter
 
-    from vtprune.pipeline import build_inputs
+    from vtprune.models.pipeline import build_inputs
 
     ids = build_inputs(processor, [item.image], [item.question], model.config.model_type)["input_ids"]
     return int(ids.shape[1] - get_adapter(model).visual_mask(ids).sum())
@@ -276,7 +275,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    from vtprune.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_device, check_model_spec
 
     check_device(args.device)
     if not args.speed:

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 from tqdm import tqdm
+from vtprune.eval.bench_defaults import DEFAULT_KEEPS as IMAGE_KEEPS
+from vtprune.eval.bench_defaults import DEFAULT_METHODS as IMAGE_METHODS
 from vtprune.eval.bench_report import dirty
 
 DEFAULT_METHODS = "none,fastv"
@@ -114,7 +116,7 @@ def context_limit(model: Any) -> int:
 
 def prompt_length(model: Any, processor: Any, frames: list, prompt: str, route: str) -> int:
     """Tokens of the prompt for ``frames`` + ``prompt`` (processor only, no forward)."""
-    from vtprune.video import frame_inputs
+    from vtprune.media.video import frame_inputs
 
     return int(frame_inputs(processor, model.config.model_type, [frames], [prompt], route)["input_ids"].shape[1])
 
@@ -123,7 +125,7 @@ def choose_k(model: Any, processor: Any, question: VideoQuestion, route: str, re
              extra: int) -> int:
     """``requested`` if its ``K^2``-frame prompt fits the context, else a clear error; None: largest K <= 4 that fits."""
     from vtprune.gridprobe import candidate_positions, effective_k
-    from vtprune.gridprobe_run import question_prompt
+    from vtprune.gridprobe.run import question_prompt
 
     prompt, limit = question_prompt(question.text, None)[0], context_limit(model)
     for k in [requested] if requested else [4, 3, 2]:
@@ -145,7 +147,7 @@ def answer_pass(model: Any, processor: Any, frames: list, question: VideoQuestio
                 keep: float, mode: str) -> Answer:
     """One answer pass over ``frames`` pruned by ``method`` at ``keep``; letter from generation or letter scores."""
     from vtprune.gridprobe import letter_posterior, letter_token_ids
-    from vtprune.gridprobe_run import forward_pass, lm_shape, pass_flops, question_prompt, wrap_frames
+    from vtprune.gridprobe.run import forward_pass, lm_shape, pass_flops, question_prompt, wrap_frames
 
     prompt, letters, _ = question_prompt(question.text, None)
     handle = None if method == "none" else wrap_frames(model, method, keep)
@@ -177,8 +179,8 @@ def method_keeps(methods: list[str], keeps: list[float]) -> list[tuple[str, floa
 def evaluate_question(model: Any, processor: Any, question: VideoQuestion, k: int, pairs: list[tuple[str, float]],
                       args: argparse.Namespace) -> list[dict]:
     """GridProbe once, then every selection x method x keep; one record each."""
-    from vtprune.gridprobe_run import run_gridprobe
-    from vtprune.video import uniform_indices
+    from vtprune.gridprobe.run import run_gridprobe
+    from vtprune.media.video import uniform_indices
 
     probe = run_gridprobe(model, processor, question.frames, question.text, k=k, probe_pixels=args.probe_pixels,
                           route=args.route)
@@ -295,12 +297,10 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def resolve_defaults(args: argparse.Namespace) -> tuple[list[str], list[float], Path]:
     """Methods, keeps and output folder; the image benchmark's defaults become the video ones."""
-    from vtprune.eval import bench
-
     from vtprune.methods import list_methods
 
-    methods = [m for m in (DEFAULT_METHODS if args.methods == bench.DEFAULT_METHODS else args.methods).split(",") if m]
-    keeps = [float(k) for k in (DEFAULT_KEEPS if args.keep == bench.DEFAULT_KEEPS else args.keep).split(",") if k]
+    methods = [m for m in (DEFAULT_METHODS if args.methods == IMAGE_METHODS else args.methods).split(",") if m]
+    keeps = [float(k) for k in (DEFAULT_KEEPS if args.keep == IMAGE_KEEPS else args.keep).split(",") if k]
     known = set(list_methods())
     for method in methods:
         if method.split("+")[0] in NEEDS_EVIDENCE:
@@ -317,14 +317,14 @@ def run_video(args: argparse.Namespace) -> Path:
     """The whole video benchmark; returns the CSV path."""
     from vtprune.eval.bench_report import conditions
 
-    from vtprune.embedded import default_video_spec
-    from vtprune.loading import load, model_label
-    from vtprune.video import video_route
+    from vtprune.media.video import video_route
+    from vtprune.models.embedded import default_video_spec
+    from vtprune.models.loading import load, model_label
 
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from vtprune.cli_checks import check_output_dir
+    from vtprune.cli.checks import check_output_dir
 
     methods, keeps, out = resolve_defaults(args)
     check_output_dir(out)

@@ -25,10 +25,10 @@ from vtprune.adapters import get_adapter
 import vtprune
 from vtprune.config import Stage
 from vtprune.errors import UserError
-from vtprune.images import open_image
+from vtprune.media.images import open_image
 from vtprune.methods import Scorer, resolve
 from vtprune.methods.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
-from vtprune.pipeline import build_inputs
+from vtprune.models.pipeline import build_inputs
 from vtprune.scoring import ScoreContext
 
 HOST_QUERIES = {"fastv": "last", "pdrop": "last", "transprune": "instruction"}

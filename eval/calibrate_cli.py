@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range
+from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range
 from vtprune.errors import UserError
 
 
@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def command_calibrate(args: argparse.Namespace) -> int:
     from vtprune.eval.calibrate import HOST_QUERIES, calibrate, calibration_items, plot
 
-    from vtprune.loading import check_device, check_model_spec, load, model_label
+    from vtprune.models.loading import check_device, check_model_spec, load, model_label
 
     method = args.method.split("+")[0]
     if method not in HOST_QUERIES:

@@ -1,7 +1,7 @@
 """``vtprune demo``: launch the Gradio demo of the checkout's ``demos/app.py``.
 
 The demo's UI lives in the repository folder ``demos/`` (not installed by ``pyproject.toml``); the model side
-is :mod:`vtprune.demo_app`. This module finds ``demos/`` next to the installed ``vtprune.eval`` package (an
+is :mod:`vtprune.demo.app`. This module finds ``demos/`` next to the installed ``vtprune.eval`` package (an
 editable install of a checkout, ``pip install -e .[demo]``) and imports it as the package ``demos``.
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from vtprune.cli_checks import int_range
+from vtprune.cli.checks import int_range
 
 DEMOS_DIR = Path(__file__).resolve().parent.parent / "demos"
 

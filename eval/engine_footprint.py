@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> Path:
     import transformers
     from vtprune.eval.shapes import make_split
 
-    from vtprune.loading import load, model_label
-    from vtprune.pipeline import build_inputs
+    from vtprune.models.loading import load, model_label
+    from vtprune.models.pipeline import build_inputs
 
     torch.set_num_threads(args.threads)
     model, processor = load(args.model, device="cpu")

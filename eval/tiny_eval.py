@@ -144,7 +144,7 @@ def evaluate_video(model, processor, clips: list[S.VideoSample], total: int = 8,
     answers from what the distractors rule out).
     """
     from vtprune.gridprobe import letter_posterior, letter_token_ids
-    from vtprune.video import frame_inputs
+    from vtprune.media.video import frame_inputs
 
     ids = letter_token_ids(processor.tokenizer, list(S.OPTION_LETTERS))
     was_training = model.training
@@ -177,7 +177,7 @@ def _open_video_accuracy(model, processor, clips: list[S.VideoSample], total: in
     """Open-ended form (options removed): is the answer word the likeliest of the four option words?"""
     from vtprune.eval.shapes_video import open_form
 
-    from vtprune.video import frame_inputs
+    from vtprune.media.video import frame_inputs
 
     tok = processor.tokenizer
     items = [(clip, q) for clip in clips for q in clip.questions]

@@ -35,7 +35,7 @@ from vtprune.eval import tiny_eval as E
 from vtprune.eval import tiny_models as M
 from vtprune.eval import tiny_qwen as Q
 
-from vtprune.embedded import EMBEDDED_MODELS, MODELS_DIR
+from vtprune.models.embedded import EMBEDDED_MODELS, MODELS_DIR
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,7 +7,7 @@ search space (:mod:`vtprune.eval.tune_spaces`) and the parameters of its default
 configuration (enqueued as trial 0, whose value is ``baseline_objective``). Optuna TPE, seeded.
 
 The output JSON ``{"method", "wrap_options", "objective", "baseline_objective", "trials", ...}`` is read by
-``vtprune run --config FILE`` and :func:`vtprune.methods.load_method_config`.
+``vtprune run --config FILE`` and :func:`vtprune.method_config.load_method_config`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from vtprune.adapters import get_adapter
 from vtprune.eval import tune_spaces
 
-from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
+from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
 from vtprune.config import PruneConfig, check_keep
 from vtprune.methods import resolve
 from vtprune.methods.budget import InfeasibleBudget
@@ -59,7 +59,7 @@ class Objective:
     """Mean cosine similarity to the unpruned model's last-token state for one configuration."""
 
     def __init__(self, model: Any, processor: Any, items: list, batch_size: int = 32) -> None:
-        from vtprune.pipeline import build_inputs
+        from vtprune.models.pipeline import build_inputs
 
         device = next(model.parameters()).device
         self.model, self.batches = model, []
@@ -147,8 +147,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def command_tune(args: argparse.Namespace) -> int:
     import vtprune
-    from vtprune.cli_options import Pruning, check_pruning
-    from vtprune.loading import check_device, check_model_spec, load, model_label
+    from vtprune.cli.options import Pruning, check_pruning
+    from vtprune.models.loading import check_device, check_model_spec, load, model_label
 
     out = check_output_file(args.out)
     check_model_spec(args.model)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from independent_reference import reference_decode  # noqa: E402
 
 import vtprune  # noqa: E402
-from vtprune.testing import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model  # noqa: E402
+from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model  # noqa: E402
 
 CASES = [("fastv", {}), ("pdrop", {}), ("transprune", {}), ("random", {"layer": 0})]
 FAMILIES = ("llava", "qwen2_5_vl")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from vtprune.cli import main
 from vtprune.errors import UserError
-from vtprune.images import MAX_IMAGE_PIXELS, crop_note, open_image, to_rgb
+from vtprune.media.images import MAX_IMAGE_PIXELS, crop_note, open_image, to_rgb
 
 ORIENTATION = 0x0112
 
@@ -57,9 +57,9 @@ def test_bad_image_files_raise_one_clear_user_error(tmp_path):
 
 
 def test_cli_reports_bad_images_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
-    import vtprune.loading
+    import vtprune.models.loading
 
-    monkeypatch.setattr(vtprune.loading, "load", lambda *a, **k: pytest.fail("model loaded for a bad image"))
+    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("model loaded for a bad image"))
     for name, (path, words) in _bad_files(tmp_path).items():
         assert main(["run", "--image", path, "--model", "tiny:llava", "--device", "cpu"]) == 2, name
         err = capsys.readouterr().err
@@ -119,7 +119,7 @@ def test_exif_rotated_photo_answers_like_its_upright_copy(tmp_path, capsys):
 
 
 def test_non_square_images_get_a_crop_note(tmp_path, capsys):
-    from vtprune.loading import load
+    from vtprune.models.loading import load
 
     _, processor = load("embedded:llava", device="cpu")
     assert crop_note(processor, (200, 100)) and "centre-crops" in crop_note(processor, (200, 100))
@@ -134,7 +134,7 @@ def test_non_square_images_get_a_crop_note(tmp_path, capsys):
 
 
 def test_demo_uploads_use_the_same_image_checks(tmp_path):
-    from vtprune.demo_uploads import UploadError, check_upload, load_image
+    from vtprune.demo.uploads import UploadError, check_upload, load_image
 
     files = _bad_files(tmp_path)
     expected = {"empty": "empty.png is empty (0 bytes)", "truncated": "truncated.png is not a readable image",

@@ -69,7 +69,7 @@ def test_speed_bench_bad_geometry_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("method", ["none", "fastv"])
 def test_kv_cache_bytes_measured_equal_the_formula(method):
     """fastv at layer 2 of a 4-layer model: layers 0-1 cache the full prompt, layers 2-3 the kept tokens."""
-    from vtprune.testing import random_image, tiny_inputs, tiny_model
+    from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
     model, processor = tiny_model("llava")
     model.generation_config.eos_token_id = None
@@ -105,7 +105,7 @@ class _nothing:
 
 def test_layer_lengths_match_the_engine_on_a_padded_batch():
     """The prediction's repadding rule equals the cache the engine leaves (pdrop: three stages)."""
-    from vtprune.testing import random_image, tiny_inputs, tiny_model
+    from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
     model, processor = tiny_model("llava")
     samples = [("a?", [random_image(56, 56, 0)] * 2), ("b c d e?", [random_image(56, 56, 1)])]

@@ -33,7 +33,7 @@ def test_answers_are_letters_or_option_text_mapped_to_its_letter(text, expected)
 
 
 def test_prompts_longer_than_the_context_are_a_clear_error():
-    from vtprune.testing import tiny_model
+    from vtprune.models.tiny import tiny_model
 
     model, processor = tiny_model("qwen2_vl")
     question = load_questions("test", 1)[0]

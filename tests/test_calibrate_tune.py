@@ -9,8 +9,8 @@ import torch
 
 import vtprune
 from vtprune.cli import main
-from vtprune.loading import load
-from vtprune.testing import random_image, tiny_inputs, tiny_model
+from vtprune.models.loading import load
+from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 
@@ -60,7 +60,7 @@ def test_debias_true_uses_the_calibration_shipped_with_the_model(tmp_path):
 
 
 def test_tune_improves_vflowopt_and_the_result_loads(tmp_path):
-    from vtprune.methods import load_method_config
+    from vtprune.method_config import load_method_config
     from vtprune.methods.budget import average_retention
 
     out = tmp_path / "tuned.json"

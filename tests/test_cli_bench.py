@@ -61,7 +61,7 @@ def test_bench_writes_a_well_formed_csv_table_and_plots(tmp_path):
 
 
 def test_oracle_recall_is_one_when_the_budget_covers_the_evidence():
-    from vtprune.testing import tiny_model
+    from vtprune.models.tiny import tiny_model
 
     model, processor = tiny_model("llava", image_size=112)
     items = load_items("test", 3)

@@ -24,9 +24,9 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model (or generating bench data) fails the test: the errors must come first."""
-    import vtprune.loading
+    import vtprune.models.loading
 
-    monkeypatch.setattr(vtprune.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
@@ -110,8 +110,8 @@ def test_sample_index_is_generated_alone():
 def test_over_long_questions_are_refused(capsys, monkeypatch):
     code, _, err = _cli(capsys, "run", "--model", "embedded:llava", "--device", "cpu", "--question", "why " * 12_500)
     assert code == 2 and "past the model's context of 512 positions" in err and "Traceback" not in err, err
-    from vtprune.pipeline import check_prompt_length
-    from vtprune.testing import tiny_model
+    from vtprune.models.pipeline import check_prompt_length
+    from vtprune.models.tiny import tiny_model
 
     model, _ = tiny_model("llava")
     limit = model.config.text_config.max_position_embeddings
@@ -168,7 +168,7 @@ def test_output_paths_are_checked_before_any_work(capsys, no_model, tmp_path):
 def test_demo_refuses_a_busy_port_and_warns_beyond_loopback(capsys, monkeypatch):
     from vtprune.eval.demo_cli import load_demo_module
 
-    from vtprune.cli_checks import exposure_warning, is_loopback
+    from vtprune.cli.checks import exposure_warning, is_loopback
 
     app = load_demo_module("app")
     with socket.socket() as busy:
@@ -198,7 +198,7 @@ def _free_port() -> int:
 def test_demo_reports_a_fake_video_as_a_bad_file(tmp_path):
     from vtprune.eval.demo_cli import load_demo_module
 
-    from vtprune.demo_app import UploadError, check_upload
+    from vtprune.demo.app import UploadError, check_upload
 
     fake = tmp_path / "clip.mp4"
     fake.write_text("not a video\n" * 50)
@@ -228,7 +228,7 @@ def test_demo_refuses_an_over_long_question_with_a_message():
     from vtprune.eval.demo_cli import load_demo_module
     from vtprune.eval.shapes import make_split
 
-    from vtprune.demo_app import EXAMPLES_DIR, DemoRunner
+    from vtprune.demo.app import EXAMPLES_DIR, DemoRunner
 
     app = load_demo_module("app")
     runner = DemoRunner("embedded:llava", device="cpu", timing_repeats=0)

@@ -14,7 +14,7 @@ import torch
 from independent_reference import reference_decode
 
 import vtprune
-from vtprune.testing import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 STEPS = 4

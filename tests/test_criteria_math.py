@@ -109,7 +109,7 @@ def test_square_padding_marks_the_padded_rows():
 
 @functools.cache
 def _tiny(model_type: str):
-    from vtprune.testing import tiny_model
+    from vtprune.models.tiny import tiny_model
 
     return tiny_model(model_type, image_size=112)
 
@@ -117,7 +117,7 @@ def _tiny(model_type: str):
 def test_adapter_padding_fraction_per_family():
     from vtprune.adapters import get_adapter
 
-    from vtprune.testing import random_image, tiny_inputs
+    from vtprune.models.tiny import random_image, tiny_inputs
 
     model, processor = _tiny("llava")
     samples = [("q?", [random_image(120, 90, 0)]), ("q?", [random_image(64, 64, 1), random_image(50, 100, 2)])]
@@ -136,7 +136,7 @@ def test_adapter_padding_fraction_per_family():
 def test_llava_next_padding_is_nearly_a_no_op():
     from vtprune.adapters import get_adapter
 
-    from vtprune.testing import random_image, tiny_inputs
+    from vtprune.models.tiny import random_image, tiny_inputs
 
     model, processor = _tiny("llava_next")
     inputs = tiny_inputs(processor, "llava_next", [("q?", [random_image(200, 90, 0)])])
@@ -269,7 +269,7 @@ def test_ttv_equals_direct_recomputation_from_captured_hidden_states():
     from vtprune.adapters import get_adapter
 
     import vtprune
-    from vtprune.testing import random_image, tiny_inputs
+    from vtprune.models.tiny import random_image, tiny_inputs
 
     model, processor = _tiny("llava")
     adapter = get_adapter(model)
@@ -324,7 +324,7 @@ def test_ttv_equals_direct_recomputation_from_captured_hidden_states():
 def test_tile_layouts_match_the_model_packing(model_type, aspect):
 
     from vtprune.methods.tiles import layout_from_size, layouts_from_features, tile_values
-    from vtprune.testing import random_image, tiny_inputs
+    from vtprune.models.tiny import random_image, tiny_inputs
 
     model, processor = _tiny(model_type)
     previous = getattr(model.config, "vision_aspect_ratio", None)
@@ -363,7 +363,7 @@ def test_tile_layouts_match_the_model_packing(model_type, aspect):
 
 def test_vit_attention_equals_the_towers_eager_weights():
     from vtprune.methods.vit import vit_attention
-    from vtprune.testing import random_image, tiny_inputs, tiny_model
+    from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
     model, processor = tiny_model("llava", "eager", image_size=112)
     pixels = tiny_inputs(processor, "llava", [("q?", [random_image(120, 90, 0)]), ("q?", [random_image(60, 90, 1)])])

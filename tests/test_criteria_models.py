@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vtprune
-from vtprune.testing import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 LLAVA_FAMILY = ("llava", "llava_next", "llava_onevision")

@@ -28,7 +28,7 @@ def _visual_tokens() -> int:
     """Visual tokens per image of the demo's default model (the embedded LLaVA), from its config."""
     import json
 
-    from vtprune.embedded import embedded_model_path
+    from vtprune.models.embedded import embedded_model_path
 
     vision = json.loads((embedded_model_path("llava") / "config.json").read_text())["vision_config"]
     return (vision["image_size"] // vision["patch_size"]) ** 2
@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runner():
-    from vtprune.demo_app import DemoRunner
+    from vtprune.demo.app import DemoRunner
 
     torch.set_num_threads(1)
     return DemoRunner(None, device="cpu", timing_repeats=1)
@@ -184,7 +184,7 @@ def test_video_shows_gridprobe_map_and_frames(page, inputs) -> None:
     page.fill("#grid input[type=number]", "3")
     page.press("#grid input[type=number]", "Enter")
     status = _run(page)
-    if importlib.util.find_spec("vtprune.gridprobe_run") is None:
+    if importlib.util.find_spec("vtprune.gridprobe.run") is None:
         assert "video support not installed" in status
         return
     assert status.startswith("Video answered"), status
@@ -229,7 +229,7 @@ def test_demo_cli_explains_a_missing_demos_folder(tmp_path, monkeypatch, capsys)
 
 
 def test_uploads_outside_the_upload_folder_or_too_large_are_refused(tmp_path) -> None:
-    from vtprune.demo_app import UploadError, check_upload
+    from vtprune.demo.app import UploadError, check_upload
 
     inside = tmp_path / "uploads"
     inside.mkdir()
@@ -255,7 +255,7 @@ def test_click_handler_turns_failures_into_messages(runner) -> None:
 def test_video_without_gridprobe_says_video_support_is_not_installed(runner, inputs, monkeypatch) -> None:
     import sys
 
-    monkeypatch.setitem(sys.modules, "vtprune.gridprobe_run", None)
+    monkeypatch.setitem(sys.modules, "vtprune.gridprobe.run", None)
     monkeypatch.setattr(app, "upload_roots", lambda: [str(inputs["video"].parent)])
     outputs = dict(zip(app.OUTPUTS, app.on_run(runner, str(inputs["video"]), "Which?", "fastv", 0.25, False, 3),
                        strict=True))

@@ -7,7 +7,7 @@ import torch
 from accelerate import cpu_offload, dispatch_model
 
 import vtprune
-from vtprune.testing import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from vtprune.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa: E402
+from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa: E402
 
 MODEL_DIR = embedded_model_path("llava")
 

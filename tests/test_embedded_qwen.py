@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from vtprune.eval import shapes as S  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
 
-from vtprune.embedded import embedded_model_path  # noqa: E402
+from vtprune.models.embedded import embedded_model_path  # noqa: E402
 
 N_CLIPS = 24  # 48 questions
 # Measured on the shipped model (CPU, fp32, SDPA; `test` split): images overall 0.818 on 200 images
@@ -34,7 +34,7 @@ GRIDPROBE_MARGIN = 0.3
 
 @pytest.fixture(scope="module")
 def loaded():
-    from vtprune.loading import load
+    from vtprune.models.loading import load
 
     torch.manual_seed(0)
     return load("embedded:qwen2_vl", device="cpu")
@@ -73,8 +73,8 @@ def test_video_accuracy_floor(loaded, clips) -> None:
 def test_gridprobe_finds_evidence_frames_more_often_than_uniform(loaded, clips) -> None:
     from vtprune.eval.shapes_video import open_form
 
-    from vtprune.gridprobe_run import run_gridprobe
-    from vtprune.video import uniform_indices
+    from vtprune.gridprobe.run import run_gridprobe
+    from vtprune.media.video import uniform_indices
 
     model, processor = loaded
     hits = uniform_hits = 0

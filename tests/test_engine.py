@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vtprune
-from vtprune.testing import TINY_TYPES, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 IMPLS = ("sdpa", "eager")
@@ -52,7 +52,7 @@ def test_keep_one_equals_unwrapped_and_remove_restores(model_type):
 
 
 def _generate(model, inputs, steps=4):
-    from vtprune.testing import SPECIAL_TOKENS
+    from vtprune.models.tiny import SPECIAL_TOKENS
 
     # Random weights may emit placeholder tokens; keep generated text free of them.
     specials = list(range(len(SPECIAL_TOKENS)))
@@ -65,7 +65,7 @@ def _generate(model, inputs, steps=4):
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens with the placeholder tokens suppressed, as in :func:`_generate`."""
-    from vtprune.testing import SPECIAL_TOKENS
+    from vtprune.models.tiny import SPECIAL_TOKENS
 
     return logits.clone().index_fill_(-1, torch.arange(len(SPECIAL_TOKENS)), float("-inf")).argmax(-1)
 
@@ -268,7 +268,7 @@ def test_right_padded_batch_equals_samples_alone():
     samples = [("what color is the circle?", [random_image(120, 90, 1)]),
                ("how many?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
     processor.tokenizer.padding_side = "right"
-    from vtprune.testing import prompt_for
+    from vtprune.models.tiny import prompt_for
 
     texts = [prompt_for("llava", q, len(images)) for q, images in samples]
     batch = dict(processor(text=texts, images=[i for _, imgs in samples for i in imgs], return_tensors="pt",

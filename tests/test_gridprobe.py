@@ -24,8 +24,8 @@ from vtprune.gridprobe import (
     select_frames,
     top_cells,
 )
-from vtprune.testing import random_image, tiny_model, tiny_tokenizer
-from vtprune.video import uniform_indices
+from vtprune.media.video import uniform_indices
+from vtprune.models.tiny import random_image, tiny_model, tiny_tokenizer
 
 torch.set_num_threads(1)
 

@@ -39,7 +39,7 @@ def _snapshot_model(target: Path) -> Path:
     """Copy the embedded LLaVA to ``target``, retrying while a training run is rewriting it."""
     from safetensors import safe_open
 
-    from vtprune.embedded import embedded_model_path
+    from vtprune.models.embedded import embedded_model_path
 
     source = embedded_model_path("llava")
     for _ in range(5):
@@ -147,7 +147,7 @@ def test_keep_one_matches_vtprune_bench(ws, runs) -> None:
     import torch
     from vtprune.eval.bench import evaluate, load_items
 
-    from vtprune.loading import load
+    from vtprune.models.loading import load
 
     run = runs["keep1"]
     metrics = _metrics(run)

@@ -48,3 +48,29 @@ def test_import_vtprune_changes_nothing_global(tmp_path):
         "print(before == after, any(m.startswith('vtprune.kernels._triton') for m in sys.modules))"
     )
     assert _python(code, str(tmp_path)).strip() == "True False"
+
+
+def test_every_package_is_declared_and_ships_its_data(tmp_path):
+    """A regular (non-editable) install: every folder with an __init__.py is a declared package, and the wheel
+    carries the embedded models and the lmms-eval tasks."""
+    import zipfile
+
+    import tomllib
+
+    declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"vtprune": ROOT / "vtprune", "vtprune.kernels": ROOT / "kernels", "vtprune.adapters": ROOT / "adapters",
+             "vtprune.eval": ROOT / "eval"}
+    found = set()
+    for package, folder in roots.items():
+        for init in folder.rglob("__init__.py"):
+            parts = init.parent.relative_to(folder).parts
+            if package == "vtprune" and parts and parts[0] in ("kernels", "adapters", "eval"):
+                continue
+            found.add(".".join((package, *parts)))
+    assert found == declared
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(ROOT)], check=True, capture_output=True, timeout=300)
+    names = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
+    assert "vtprune/models/vtprune-llava-shapes/model.safetensors" in names
+    assert "vtprune/methods/fastv.py" in names and "vtprune/cli/__init__.py" in names
+    assert any(n.startswith("vtprune/eval/lmms_plugin/tasks/vtprune_shapes/") for n in names)

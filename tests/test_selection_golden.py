@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import vtprune
-from vtprune.testing import TINY_TYPES, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_model
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "selection_golden.json"
 CASES = ["fastv", "fastv+debias", "pdrop", "pdrop+debias", "ttv", "transprune", "transprune+debias", "vflowopt",

@@ -99,7 +99,7 @@ def test_cuda_synchronize_is_counted_and_restored():
 
 
 def test_watch_hooks_counts_inside_vtprune_hooks_only_and_restores_them():
-    from vtprune.testing import random_image, tiny_inputs, tiny_model
+    from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
     model, processor = tiny_model("llava")
     model.generation_config.eos_token_id = None

@@ -16,7 +16,7 @@ from vtprune.eval import tiny_dense as TD  # noqa: E402
 from vtprune.eval import tiny_models as M  # noqa: E402
 from vtprune.eval import train_tiny as T  # noqa: E402
 
-from vtprune.embedded import embedded_model_path  # noqa: E402
+from vtprune.models.embedded import embedded_model_path  # noqa: E402
 
 
 def test_dense_tokenizer_extends_the_shipped_vocabulary() -> None:

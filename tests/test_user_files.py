@@ -10,8 +10,7 @@ import pytest
 
 from vtprune.cli import main
 from vtprune.errors import UserError
-from vtprune.method_config import read_method_config
-from vtprune.methods import load_method_config
+from vtprune.method_config import load_method_config, read_method_config
 
 SHIPPED = "vtprune/models/vtprune-llava-shapes/calibration.json"
 
@@ -107,9 +106,9 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 @pytest.fixture
 def no_model(monkeypatch):
     """Loading a model fails the test: the errors below must come before it."""
-    import vtprune.loading
+    import vtprune.models.loading
 
-    monkeypatch.setattr(vtprune.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
 def test_cli_config_conflicts_fail_before_loading(tmp_path, capsys, no_model):

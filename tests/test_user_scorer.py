@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vtprune
-from vtprune.testing import random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

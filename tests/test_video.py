@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vtprune.testing import random_image, tiny_model
-from vtprune.video import fit_frame, frame_inputs, load_video, uniform_indices, video_route
+from vtprune.media.video import fit_frame, frame_inputs, load_video, uniform_indices, video_route
+from vtprune.models.tiny import random_image, tiny_model
 
 torch.set_num_threads(1)
 av = pytest.importorskip("av")
@@ -169,7 +169,7 @@ def test_frame_ids_split_video_segments_into_temporal_patches():
 
 @pytest.mark.parametrize("method", ["oracle", "fastv", "pdrop"])
 def test_per_frame_budget_keeps_each_frames_share(method):
-    from vtprune.gridprobe_run import wrap_frames
+    from vtprune.gridprobe.run import wrap_frames
 
     model, processor = _model("qwen2_vl")
     inputs = frame_inputs(processor, "qwen2_vl", [[random_image(112, 112, i) for i in range(4)]], ["what?"])

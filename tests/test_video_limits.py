@@ -7,10 +7,10 @@ import struct
 import numpy as np
 import pytest
 
-from vtprune import video_io
 from vtprune.cli import main
 from vtprune.errors import UserError
-from vtprune.video import load_video
+from vtprune.media import video_io
+from vtprune.media.video import load_video
 
 av = pytest.importorskip("av")
 
@@ -171,12 +171,12 @@ def test_backends_agree_on_rotated_clips_and_frames_come_out_upright(tmp_path, d
     (["--model", "/no/such/model"], "no such folder"),
 ])
 def test_cli_video_arguments_are_checked_before_any_work(tmp_path, capsys, monkeypatch, argv, words):
-    import vtprune.loading
-    import vtprune.video
+    import vtprune.media.video
+    import vtprune.models.loading
 
     path = _write(tmp_path / "clip.mp4", _frames(48, 64, 2))
-    monkeypatch.setattr(vtprune.loading, "load", lambda *a, **k: pytest.fail("model loaded"))
-    monkeypatch.setattr(vtprune.video, "load_video", lambda *a, **k: pytest.fail("video decoded"))
+    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("model loaded"))
+    monkeypatch.setattr(vtprune.media.video, "load_video", lambda *a, **k: pytest.fail("video decoded"))
     base = ["run", "--video", path, "--model", "tiny:qwen2_vl", "--device", "cpu", "--question", "Which?"]
     assert exit_code([*base, *argv]) == 2
     err = capsys.readouterr().err

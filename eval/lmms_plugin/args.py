@@ -61,7 +61,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
     file, dtype, batch size), so a typo fails before a checkpoint is loaded. Layer bounds and model limits
     are checked by :func:`vtprune.wrap` right after loading.
     """
-    from vtprune.loading import DTYPES
+    from vtprune.models.loading import DTYPES
 
     rest = dict(kwargs)
     _map_device_map(rest)
@@ -71,7 +71,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
     dtype = str(load.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)} in --model_args.")
-    from vtprune.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_device, check_model_spec
 
     check_model_spec(_optional_str(load.get("pretrained")))  # a bad folder / offline hub id fails now, in one line
     check_device(_optional_str(load.get("device")))

@@ -1,7 +1,7 @@
 """Turn lmms-eval requests into processor inputs: visuals, chat-template prompts, batches, stop strings.
 
 Prompts go through the processor's own chat template with one ``{"type": "image"}`` entry per image
-followed by the request's text, exactly as :func:`vtprune.pipeline.build_inputs` does for one image, so a
+followed by the request's text, exactly as :func:`vtprune.models.pipeline.build_inputs` does for one image, so a
 run here and ``vtprune bench`` feed the model the same tokens.
 """
 
@@ -26,7 +26,7 @@ def flatten_visuals(visuals: Any) -> list[Image.Image]:
     if visuals is None:
         return []
     if isinstance(visuals, Image.Image):
-        from vtprune.images import to_rgb
+        from vtprune.media.images import to_rgb
 
         return [to_rgb(visuals)]  # EXIF orientation applied, 16-bit greyscale scaled (not clipped to white)
     if isinstance(visuals, (str, dict)):
@@ -54,7 +54,7 @@ def prompt_text(processor: Any, model_type: str, question: str, n_images: int) -
         content = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": question}]
         messages = [{"role": "user", "content": content}]
         return processor.apply_chat_template(messages, add_generation_prompt=True)
-    from vtprune.testing import prompt_for
+    from vtprune.models.tiny import prompt_for
 
     return prompt_for(model_type, question, images=n_images)
 

@@ -3,7 +3,7 @@
 A clean :class:`lmms_eval.api.model.lmms` subclass rather than a subclass of lmms-eval's ``llava_hf`` /
 ``qwen2_5_vl`` wrappers: those assert ``batch_size == 1`` (LLaVA), import ``qwen_vl_utils`` (which needs
 torchvision), and place every rank on ``cuda:<i>`` under ``accelerate launch``, so they cannot run on the
-CPU CI. Loading goes through :func:`vtprune.loading.load`, prompts through the processor's chat template
+CPU CI. Loading goes through :func:`vtprune.models.loading.load`, prompts through the processor's chat template
 (see :mod:`vtprune.eval.lmms_plugin.inputs`), and :func:`vtprune.wrap` is applied once at construction so a
 bad ``--model_args`` value fails with vtprune's own ``ValueError`` before any data is loaded.
 """
@@ -78,7 +78,7 @@ class VTPruneModel(lmms):
         self._device = torch.device(device)
 
     def _load(self) -> tuple[Any, Any]:
-        from vtprune.loading import load
+        from vtprune.models.loading import load
 
         self._check_family(self.args.pretrained)
         model, processor = load(self.args.pretrained, self.args.attn_implementation, self.args.dtype,
@@ -283,7 +283,7 @@ OTHER_FAMILIES = {VTPruneLlava.model_id: VTPruneQwenVL.families, VTPruneQwenVL.m
 
 def checkpoint_model_type(spec: str | None) -> str:
     """``config.model_type`` of a ``pretrained=`` value without loading weights."""
-    from vtprune.loading import check_model_spec
+    from vtprune.models.loading import check_model_spec
 
     target = check_model_spec(spec)
     if target.startswith("tiny:"):

@@ -7,23 +7,12 @@ Built-in methods, one file each: ``none``, ``random``, ``oracle`` (:mod:`.baseli
 :func:`resolve` turns a name and options into a scorer; a user-defined scorer instance needs no registration.
 """
 
-from typing import Any
-
 from vtprune.methods import baselines, fastv, pdrop, per_frame, transprune, vflowopt  # noqa: F401 - register
 from vtprune.methods.base import Capture, Method, Scorer, Wrapper
 from vtprune.methods.debias import Debiased
 from vtprune.methods.per_frame import PerFrame
 from vtprune.methods.registry import METHODS, describe, list_methods, make_method, register_method, resolve
 from vtprune.methods.schedules import scaled_layer
-
-
-def __getattr__(name: str) -> Any:
-    if name == "load_method_config":  # moved to vtprune.method_config (kept here for old imports)
-        from vtprune.method_config import load_method_config
-
-        return load_method_config
-    raise AttributeError(f"module 'vtprune.methods' has no attribute {name!r}")
-
 
 __all__ = ["METHODS", "Capture", "Debiased", "Method", "PerFrame", "Scorer", "Wrapper", "describe",
            "list_methods", "make_method", "register_method", "resolve", "scaled_layer"]

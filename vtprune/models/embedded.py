@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 EMBEDDED_MODELS: dict[str, str] = {"llava": "vtprune-llava-shapes", "qwen2_vl": "vtprune-qwen2vl-shapes"}
-MODELS_DIR = Path(__file__).resolve().parent / "models"
+MODELS_DIR = Path(__file__).resolve().parent
 
 
 def embedded_model_path(name: str = "llava") -> Path:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from vtprune.cli_checks import int_range
+from vtprune.cli.checks import int_range
 from vtprune.errors import UserError
 
-MAX_FRAMES = 256  # vtprune.video_io.MAX_FRAMES (not imported: no PIL / numpy at CLI import)
+MAX_FRAMES = 256  # vtprune.media.video_io.MAX_FRAMES (not imported: no PIL / numpy at CLI import)
 MAX_GRID = 16  # K^2 <= MAX_FRAMES
 MIN_PROBE_PIXELS, MAX_PROBE_PIXELS = 28 * 28, 1024 * 1024
 
@@ -41,11 +41,11 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command_run_video(args: argparse.Namespace) -> int:
     """Answer ``args.question`` about ``args.video``; prints the answer, M_eff, frames and compute ratio."""
-    from vtprune.cli_options import final_keep, pruning_choice
-    from vtprune.embedded import default_video_spec
-    from vtprune.gridprobe_run import run_gridprobe
-    from vtprune.loading import check_device, check_model_spec, load, model_label
-    from vtprune.video import load_video
+    from vtprune.cli.options import final_keep, pruning_choice
+    from vtprune.gridprobe.run import run_gridprobe
+    from vtprune.media.video import load_video
+    from vtprune.models.embedded import default_video_spec
+    from vtprune.models.loading import check_device, check_model_spec, load, model_label
 
     if not (args.question or "").strip():
         raise UserError("--video needs --question TEXT (a non-empty question about the video).")
@@ -76,7 +76,7 @@ def command_run_video(args: argparse.Namespace) -> int:
                   keep=final_keep(pruning), requested_keep=pruning.keep, frame_budget=args.frame_budget, model=model_label(args.model),
                   selector=model_label(args.selector) if args.selector else None, dtype=args.dtype,
                   attn_implementation=args.attn, device=str(next(model.parameters()).device))
-    from vtprune.images import crop_note
+    from vtprune.media.images import crop_note
 
     crop = crop_note(processor, clip.frames[0].size)
     record["notes"] = list(record.get("notes", [])) + pruning.notes + ([f"frames: {crop}"] if crop else [])
@@ -89,9 +89,9 @@ def command_run_video(args: argparse.Namespace) -> int:
 
 def _check_prompt(model, processor, clip, args: argparse.Namespace, k: int | None) -> None:
     """Refuse a question whose prompt cannot fit the context (with one frame; with all of them without K)."""
-    from vtprune.gridprobe_run import question_prompt
-    from vtprune.pipeline import check_prompt_length
-    from vtprune.video import frame_inputs, video_route
+    from vtprune.gridprobe.run import question_prompt
+    from vtprune.media.video import frame_inputs, video_route
+    from vtprune.models.pipeline import check_prompt_length
 
     prompt = question_prompt(args.question, args.options)[0]
     route = video_route(processor, args.route)

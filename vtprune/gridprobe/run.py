@@ -25,7 +25,7 @@ from PIL import Image
 from vtprune.api import wrap
 from vtprune.config import PruneConfig, split_method_name
 from vtprune.flops import LMShape, prefill_flops, tokens_per_layer
-from vtprune.gridprobe import (
+from vtprune.gridprobe.probe import (
     Selection,
     candidate_positions,
     effective_k,
@@ -37,7 +37,7 @@ from vtprune.gridprobe import (
     question_letters,
     select_frames,
 )
-from vtprune.video import VideoClip, clip_from_frames, downscale, frame_inputs, video_route
+from vtprune.media.video import VideoClip, clip_from_frames, downscale, frame_inputs, video_route
 
 PROBE_PIXELS = 224 * 224
 ANSWER_SUFFIX = "Answer with the letter."
@@ -183,7 +183,7 @@ def run_gridprobe(model: Any, processor: Any, video: VideoClip | list[Image.Imag
 
     Parameters
     ----------
-    video: a :class:`~vtprune.video.VideoClip` (from :func:`~vtprune.video.load_video`) or a list of frames.
+    video: a :class:`~vtprune.media.video.VideoClip` (from :func:`~vtprune.media.video.load_video`) or a list of frames.
     options: option texts (``["red", "blue"]``, ``"A) red;B) blue"``); None: letters listed in the question,
         else open-ended (confidence = peak first-token probability; the answer is generated).
     k: grid side (``K^2`` candidates, ``2K`` probes of ``K`` frames). Fewer than ``K^2`` frames shrink the grid
@@ -195,7 +195,7 @@ def run_gridprobe(model: Any, processor: Any, video: VideoClip | list[Image.Imag
         Fixed-resolution towers (LLaVA) resize the frames back, so their probes cost the same tokens.
     probe_batch: probes per forward (default all 2K in one batch).
     s, m_min, m_max: Shape-Adaptive Selection (defaults 3, 2, K^2).
-    route: ``auto`` / ``video`` / ``images`` (see :mod:`vtprune.video`).
+    route: ``auto`` / ``video`` / ``images`` (see :mod:`vtprune.media.video`).
     measure_baseline: also run the monolithic all-candidates pass to measure ``baseline_ms``.
     """
     clip = video if isinstance(video, VideoClip) else clip_from_frames(video)

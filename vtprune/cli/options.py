@@ -11,7 +11,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from vtprune.cli_checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, int_range, keep_fraction
+from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, int_range, keep_fraction
 from vtprune.errors import UserError
 
 DEFAULT_METHOD = "fastv"

@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def resolve_model(spec: str | None) -> str:
     """The folder / hub id / ``tiny:`` spec that ``spec`` names (the embedded LLaVA by default)."""
-    from vtprune.embedded import EMBEDDED_MODELS, embedded_model_path
+    from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path
 
     if spec in (None, "", "embedded"):
         return str(embedded_model_path("llava"))
@@ -42,7 +42,7 @@ def check_model_spec(spec: str | None) -> str:
     that looks like a path but does not exist is refused; a hub id must be in the local cache when the hub is
     offline (``HF_HUB_OFFLINE=1``), so nothing waits on network retries.
     """
-    from vtprune.testing import TINY_TYPES
+    from vtprune.models.tiny import TINY_TYPES
 
     target = resolve_model(spec)
     if target.startswith("tiny:"):
@@ -111,7 +111,7 @@ def check_device(device: str | None) -> str:
 def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str = "float32",
          device: str | None = None) -> tuple[Any, Any]:
     """``(model, processor)`` for ``spec``, in eval mode on ``device`` (CUDA when available by default)."""
-    from vtprune.testing import tiny_model
+    from vtprune.models.tiny import tiny_model
 
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -158,7 +158,7 @@ def load_processor(path: str) -> Any:
 def _qwen_processor(model_type: str, image_processor: Any, tokenizer: Any, error: Exception) -> Any:
     import transformers
 
-    from vtprune.testing import no_video_processor
+    from vtprune.models.tiny import no_video_processor
 
     names = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
     if model_type not in names:

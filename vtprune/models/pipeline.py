@@ -29,7 +29,7 @@ class Answer:
 
 def build_inputs(processor: Any, images: list[Image.Image], questions: list[str], model_type: str) -> dict:
     """Processor outputs for one image (list) per question, via the processor's chat template if it has one."""
-    from vtprune.testing import prompt_for
+    from vtprune.models.tiny import prompt_for
 
     texts = []
     for question in questions:

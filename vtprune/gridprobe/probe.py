@@ -9,7 +9,7 @@ budget from the map's skew and excess kurtosis::
     shape = |skew| + 0.5 * max(0, kurt),   M_eff = clip(ceil(K^2 / (1 + s * shape)), M_min, M_max)
 
 (s = 3, M_min = 2, M_max = K^2; a flat map, sd < 1e-10, keeps all K^2 frames). The top ``M_eff`` cells, in
-time order, go to one full-resolution answer pass (:mod:`vtprune.gridprobe_run`).
+time order, go to one full-resolution answer pass (:mod:`vtprune.gridprobe.run`).
 
 Confidence: for multiple-choice questions, the letter log-score is the logsumexp of the log-probabilities of
 the first tokens of the surface forms ``L`` ``" L"`` ``"(L"`` ``"L."`` ``" L."`` ``"L)"``, restricted to the
@@ -208,10 +208,3 @@ def select_frames(k: int, score_probes: Callable[[list[list[int]]], Sequence[flo
     if len(confidence) != 2 * k:
         raise ValueError(f"score_probes must return {2 * k} confidences, got {len(confidence)}.")
     return select_cells(confidence[:k], confidence[k:], s, m_min, m_max)
-
-
-def run_gridprobe(*args, **kwargs):
-    """GridProbe on a model; see :func:`vtprune.gridprobe_run.run_gridprobe` (imported lazily)."""
-    from vtprune.gridprobe_run import run_gridprobe as run
-
-    return run(*args, **kwargs)

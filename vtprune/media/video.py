@@ -5,7 +5,7 @@ Reading
 :func:`load_video` samples ``N`` frames at indices ``round(linspace(0, T - 1, N))`` (the rule GridProbe uses
 for its candidates) and keeps each frame's source index and timestamp. decord 0.6 seeks frame-accurately;
 when decord is missing or cannot open the file, PyAV decodes the stream sequentially and keeps the wanted
-indices (also frame-accurate, slower on long videos). Decoding is bounded (:mod:`vtprune.video_io`): sources
+indices (also frame-accurate, slower on long videos). Decoding is bounded (:mod:`vtprune.media.video_io`): sources
 above 33.5 MP per frame are refused, at most 256 frames are sampled, each scaled inside the decoder to at most
 1 MP; rotated clips come out upright (read with PyAV). Errors are ``FileNotFoundError`` (no file),
 :class:`~vtprune.errors.UserError` (a folder, an empty file, a limit exceeded) or ``ValueError`` (undecodable
@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 
 from vtprune.errors import UserError
-from vtprune.video_io import (
+from vtprune.media.video_io import (
     StreamInfo,
     check_frame_count,
     count_frames,
@@ -100,8 +100,8 @@ def load_video(path: str | Path, num_frames: int = 8, backend: str = "auto",
     """Read ``num_frames`` uniformly sampled frames of ``path`` with ``backend`` (``auto``/``decord``/``pyav``).
 
     ``auto`` tries decord and falls back to PyAV when decord is not installed or cannot read the file; clips
-    with rotation metadata are read with PyAV (see :mod:`vtprune.video_io`). Frames are decoded at most at
-    ``max_pixels`` pixels (default :data:`~vtprune.video_io.MAX_FRAME_PIXELS`, within the clip budget).
+    with rotation metadata are read with PyAV (see :mod:`vtprune.media.video_io`). Frames are decoded at most at
+    ``max_pixels`` pixels (default :data:`~vtprune.media.video_io.MAX_FRAME_PIXELS`, within the clip budget).
     Fewer frames than ``num_frames`` are returned when the video is shorter (all of its frames).
     """
     file = _check_video_file(path)
@@ -143,7 +143,7 @@ def _check_video_file(path: str | Path) -> Path:
 
 
 def _probe(file: Path) -> StreamInfo:
-    """:func:`vtprune.video_io.probe`, its failures as ``ValueError`` ("cannot decode") or :class:`UserError`."""
+    """:func:`vtprune.media.video_io.probe`, its failures as ``ValueError`` ("cannot decode") or :class:`UserError`."""
     try:
         info = probe(file)
     except UserError:
@@ -228,7 +228,7 @@ def video_route(processor: Any, route: str = "auto") -> str:
 
 def frame_prompts(processor: Any, model_type: str, questions: list[str], counts: list[int], route: str) -> list[str]:
     """Prompt texts with one image placeholder per frame (``images``) or one video placeholder (``video``)."""
-    from vtprune.testing import prompt_for
+    from vtprune.models.tiny import prompt_for
 
     texts = []
     for question, count in zip(questions, counts, strict=True):

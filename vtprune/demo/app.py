@@ -19,15 +19,15 @@ import torch
 from PIL import Image, ImageOps
 
 import vtprune
-from vtprune.demo_uploads import IMAGE_SUFFIXES as IMAGE_SUFFIXES
-from vtprune.demo_uploads import MAX_UPLOAD_MB as MAX_UPLOAD_MB
-from vtprune.demo_uploads import VIDEO_SUFFIXES as VIDEO_SUFFIXES
-from vtprune.demo_uploads import UploadError
-from vtprune.demo_uploads import check_upload as check_upload
-from vtprune.demo_uploads import load_image as load_image
+from vtprune.demo.uploads import IMAGE_SUFFIXES as IMAGE_SUFFIXES
+from vtprune.demo.uploads import MAX_UPLOAD_MB as MAX_UPLOAD_MB
+from vtprune.demo.uploads import VIDEO_SUFFIXES as VIDEO_SUFFIXES
+from vtprune.demo.uploads import UploadError
+from vtprune.demo.uploads import check_upload as check_upload
+from vtprune.demo.uploads import load_image as load_image
 from vtprune.flops import LMShape, kv_cache_bytes, prefill_flops, tokens_per_layer
-from vtprune.images import crop_note
-from vtprune.pipeline import answer_questions, build_inputs, check_prompt_length
+from vtprune.media.images import crop_note
+from vtprune.models.pipeline import answer_questions, build_inputs, check_prompt_length
 
 EXAMPLES_DIR = Path(tempfile.gettempdir()) / "vtprune-demo" / "examples"
 EXAMPLE_IMAGES = 4
@@ -164,7 +164,7 @@ class DemoRunner:
 
     def __init__(self, model_spec: str | None = None, device: str | None = None, timing_repeats: int = 3,
                  max_new_tokens: int = 8) -> None:
-        from vtprune.loading import load, model_label
+        from vtprune.models.loading import load, model_label
 
         self.model, self.processor = load(model_spec, device=device)
         self.label = model_label(model_spec)
@@ -208,11 +208,11 @@ class DemoRunner:
         Raises :class:`VideoUnavailable` when GridProbe or a video reader is not installed.
         """
         try:
-            from vtprune.gridprobe_run import run_gridprobe
-            from vtprune.video import load_video
+            from vtprune.gridprobe.run import run_gridprobe
+            from vtprune.media.video import load_video
         except ImportError as error:
             raise VideoUnavailable(f"video support not installed ({error}); install vtprune[video] and a "
-                                   "vtprune version with GridProbe (vtprune.gridprobe_run).") from error
+                                   "vtprune version with GridProbe (vtprune.gridprobe.run).") from error
         self._check_question(question)
         try:
             clip = load_video(path, num_frames=k * k)

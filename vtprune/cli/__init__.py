@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
-from vtprune.cli_checks import int_range
-from vtprune.cli_options import add_pruning_arguments, effective_keep, effective_stages, pruning_choice
+from vtprune.cli.checks import int_range
+from vtprune.cli.options import add_pruning_arguments, effective_keep, effective_stages, pruning_choice
 from vtprune.errors import UserError
 
 MAX_SAMPLE = 9_999
@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--max-new-tokens", type=int_range(1, 4096), default=8)
     run.add_argument("--json", action="store_true", help="print one JSON object")
     add_pruning_arguments(run)
-    from vtprune.video_cli import add_video_arguments
+    from vtprune.cli.video import add_video_arguments
 
     add_video_arguments(run)
     run.set_defaults(func=command_run)
@@ -68,11 +68,11 @@ def command_run(args: argparse.Namespace) -> int:
     if args.image is not None and getattr(args, "video", None) is not None:
         raise UserError("give either --image or --video, not both.")
     if getattr(args, "video", None) is not None:
-        from vtprune.video_cli import command_run_video
+        from vtprune.cli.video import command_run_video
 
         return command_run_video(args)
-    from vtprune.images import crop_note, open_image
-    from vtprune.loading import check_device, check_model_spec
+    from vtprune.media.images import crop_note, open_image
+    from vtprune.models.loading import check_device, check_model_spec
 
     check_model_spec(args.model)
     check_device(args.device)
@@ -99,8 +99,8 @@ def command_run(args: argparse.Namespace) -> int:
 def _answer(args: argparse.Namespace, pruning, image, question: str) -> tuple[dict, object]:
     """Load, wrap, answer: the run's record and the model's processor."""
     import vtprune
-    from vtprune.loading import load, model_label
-    from vtprune.pipeline import answer_questions
+    from vtprune.models.loading import load, model_label
+    from vtprune.models.pipeline import answer_questions
 
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     handle = vtprune.wrap(model, pruning.method, keep=pruning.keep, **pruning.options)

@@ -1,0 +1,5 @@
+"""``python -m vtprune``: the ``vtprune`` command line."""
+
+from vtprune.cli import main
+
+raise SystemExit(main())
