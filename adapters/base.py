@@ -46,6 +46,14 @@ class Adapter:
     #: What scorers may require (``Scorer.requires``): LM attention rows recomputed from q/k, what decoder
     #: layers compute, 1-D RoPE positions that can be renumbered; subclasses add e.g. ``"clip_tower"``.
     capabilities: frozenset[str] = frozenset({"attention", "llm_layers", "compact_positions"})
+    #: ``"llava"`` or ``"qwen"``: which prompt format, processor family and lmms-eval model serve the model.
+    family: str = ""
+    #: The transformers processor class, rebuilt from its parts when ``AutoProcessor`` needs torchvision.
+    processor_class: str | None = None
+    #: Images are split into tiles plus a base view (LLaVA-NeXT / OneVision), not one crop per image.
+    tiled_images: bool = False
+    #: The forward has no argument carrying original image sizes; padding maps need them from the user.
+    image_sizes_from_user: bool = False
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

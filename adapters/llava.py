@@ -34,6 +34,8 @@ class LlavaAdapter(Adapter):
 
     model_types = ("llava",)
     capabilities = Adapter.capabilities | {"clip_tower"}  # CLIP / SigLIP: VFlowOpt's ViT map
+    family = "llava"
+    image_sizes_from_user = True
 
     @property
     def vision_tower(self) -> nn.Module:

@@ -15,6 +15,8 @@ class LlavaNextAdapter(LlavaAdapter):
     """
 
     model_types = ("llava_next",)
+    tiled_images = True
+    image_sizes_from_user = False  # the processor passes image_sizes
 
     def _tile_grid(self, image_size: torch.Tensor) -> tuple[int, int]:
         from transformers.models.llava_next import modeling_llava_next as modeling

@@ -9,3 +9,4 @@ class Qwen25VLAdapter(Qwen2VLAdapter):
     """``Qwen2_5_VLForConditionalGeneration``; the token layout and M-RoPE handling match Qwen2-VL."""
 
     model_types = ("qwen2_5_vl",)
+    processor_class = "Qwen2_5_VLProcessor"

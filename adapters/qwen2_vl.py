@@ -16,6 +16,8 @@ class Qwen2VLAdapter(Adapter):
 
     model_types = ("qwen2_vl",)
     capabilities = frozenset({"attention", "llm_layers"})  # 3-D M-RoPE positions are not renumbered
+    family = "qwen"
+    processor_class = "Qwen2VLProcessor"
 
     @property
     def vision_tower(self) -> nn.Module:

@@ -14,6 +14,7 @@ class Qwen3VLAdapter(Qwen2VLAdapter):
     """
 
     model_types = ("qwen3_vl",)
+    processor_class = "Qwen3VLProcessor"
 
     def min_prune_layer(self) -> int:
         return len(getattr(self.config.vision_config, "deepstack_visual_indexes", []) or [])

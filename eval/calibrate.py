@@ -124,7 +124,7 @@ def record(model: Any, processor: Any, items: list[tuple[Image.Image, str]], met
         for chunk in tqdm(list(_batches(items, batch_size)), desc="calibrate", disable=not progress):
             inputs = build_inputs(processor, [im for im, _ in chunk], [q for _, q in chunk], model.config.model_type)
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            if pad_sizes and model.config.model_type == "llava":
+            if pad_sizes and handle.adapter.image_sizes_from_user:
                 handle.set_image_sizes([(im.height, im.width) for im, _ in chunk])
             with torch.inference_mode():
                 model(**inputs, logits_to_keep=1)

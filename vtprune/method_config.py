@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from vtprune.config import split_method_name
+from vtprune.config import check_keep, parse_schedule, split_method_name, validate_stages
 from vtprune.errors import UserError
 from vtprune.methods import METHODS, list_methods, resolve
 from vtprune.methods.debias import read_calibration
@@ -103,7 +103,6 @@ def _check_finite(value: Any, name: str, where: str) -> None:
 
 def _check_config_fields(options: dict[str, Any], name: str, prefix: str, file: Path) -> None:
     """Types and values of ``keep`` and the :class:`vtprune.PruneConfig` fields among the options."""
-    from vtprune.config import check_keep, parse_schedule, validate_stages
 
     where = f"method config {name!r}: field"
     if "keep" in options:

@@ -16,6 +16,7 @@ from torch import nn
 
 from vtprune.adapters.base import Adapter, VisualSegment
 from vtprune.config import Stage
+from vtprune.kernels import visual_attention_scores
 
 
 @dataclass
@@ -90,7 +91,6 @@ class ScoreContext:
         ``queries`` is ``"last"`` (the last prompt token, FastV / PyramidDrop) or ``"instruction"`` (the
         text after the last visual token, TransPrune's IGA). Normalised over all keys, as the model does.
         """
-        from vtprune.kernels import visual_attention_scores
 
         if self.layer is None or self.position_embeddings is None:
             raise RuntimeError("attention scores need a decoder layer; the pre-LLM stage has none.")

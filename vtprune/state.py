@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vtprune.adapters.base import VisualSegment
+from vtprune.kernels import segmented_topk
 from vtprune.layout import Layout, gather_tokens, repad
 
 
@@ -216,7 +217,6 @@ def select_keep(
     given both, nothing is read back from the device. Ties go to the earlier token
     (``vtprune.kernels.segmented_topk``).
     """
-    from vtprune.kernels import segmented_topk
 
     batch, length = visual.shape
     alive = visual & valid

@@ -18,6 +18,7 @@ from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 from loguru import logger as eval_logger
 from tqdm import tqdm
+from vtprune.adapters import ADAPTERS
 from vtprune.eval.lmms_plugin.args import PluginArgs, parse_model_args
 from vtprune.eval.lmms_plugin.inputs import (
     batches,
@@ -254,7 +255,7 @@ class VTPruneLlava(VTPruneModel):
     """``--model vtprune_llava``: LLaVA-1.5, LLaVA-NeXT and LLaVA-OneVision Hugging Face checkpoints."""
 
     model_id = "vtprune_llava"
-    families = ("llava", "llava_next", "llava_onevision")
+    families = tuple(t for t, adapter in ADAPTERS.items() if adapter.family == "llava")
     other_model = "vtprune_qwen_vl"
 
 
@@ -262,7 +263,7 @@ class VTPruneQwenVL(VTPruneModel):
     """``--model vtprune_qwen_vl``: Qwen2-VL, Qwen2.5-VL and Qwen3-VL Hugging Face checkpoints."""
 
     model_id = "vtprune_qwen_vl"
-    families = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    families = tuple(t for t, adapter in ADAPTERS.items() if adapter.family == "qwen")
     other_model = "vtprune_llava"
 
     def _set_pixels(self, processor: Any) -> None:

@@ -15,6 +15,7 @@ from PIL import Image
 
 from vtprune.errors import UserError
 from vtprune.media.images import MAX_IMAGE_PIXELS, open_image
+from vtprune.media.video_io import probe
 
 MAX_UPLOAD_MB = 50
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -74,10 +75,6 @@ def _check_image(file: Path) -> None:
 
 def _check_video(file: Path) -> None:
     """A file with a video suffix must hold a decodable video stream within the decoding limits."""
-    try:
-        from vtprune.media.video_io import probe
-    except ImportError:  # no video support: the run says so (VideoUnavailable)
-        return
     try:
         info = probe(file)
     except UserError as error:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from vtprune.adapters import get_adapter
 from vtprune.api import wrap
 from vtprune.config import PruneConfig, split_method_name
 from vtprune.flops import LMShape, prefill_flops, tokens_per_layer
@@ -107,7 +108,6 @@ def pass_flops(shape: LMShape, text_tokens: int, visual_tokens: int, stages: lis
 def forward_pass(model: Any, processor: Any, frame_lists: list[list[Image.Image]], prompts: list[str],
                  route: str, batch: int | None = None, handle: Any = None, max_new_tokens: int = 0) -> PassOutput:
     """Prefill (or greedy generation when ``max_new_tokens``) of one frame list per prompt, in batches."""
-    from vtprune.adapters import get_adapter
 
     device = next(model.parameters()).device
     adapter, size = get_adapter(model), batch or len(frame_lists)
@@ -265,7 +265,6 @@ def run_gridprobe(model: Any, processor: Any, video: VideoClip | list[Image.Imag
 def _count_tokens(model: Any, processor: Any, frame_lists: list[list[Image.Image]], prompt: str,
                   route: str) -> tuple[int, int, None]:
     """Text and visual tokens of a pass, from the processor alone (no forward)."""
-    from vtprune.adapters import get_adapter
 
     inputs = frame_inputs(processor, model.config.model_type, frame_lists, [prompt], route)
     valid = inputs["attention_mask"].bool()

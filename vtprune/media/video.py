@@ -48,6 +48,7 @@ from vtprune.media.video_io import (
     read_decord,
     uniform_indices,
 )
+from vtprune.models.tiny import prompt_for
 
 MIN_SIDE = 28
 MAX_ASPECT = 200.0
@@ -228,8 +229,6 @@ def video_route(processor: Any, route: str = "auto") -> str:
 
 def frame_prompts(processor: Any, model_type: str, questions: list[str], counts: list[int], route: str) -> list[str]:
     """Prompt texts with one image placeholder per frame (``images``) or one video placeholder (``video``)."""
-    from vtprune.models.tiny import prompt_for
-
     texts = []
     for question, count in zip(questions, counts, strict=True):
         visual = [{"type": "video"}] if route == "video" else [{"type": "image"}] * count

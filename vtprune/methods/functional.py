@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from vtprune.kernels import merge_tokens
+
 
 # -- TransPrune ----------------------------------------------------------------------------------------------
 def ttv_terms(t_in: torch.Tensor, t_out: torch.Tensor, abs_cos: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +69,6 @@ def recycle(hidden: torch.Tensor, importance: torch.Tensor, candidate: torch.Ten
     (entropy weight ``alpha < 0``) count as 0; a cell whose weights are all 0 takes the plain mean.
     Returns the representative mask ``[B, L]`` (slots to keep) and the updated hidden states.
     """
-    from vtprune.kernels import merge_tokens
 
     batch, length, _ = hidden.shape
     assign = torch.where(candidate & (cell >= 0), cell, torch.full_like(cell, -1))

@@ -130,7 +130,7 @@ def arrange(adapter: Any, crops: torch.Tensor, inputs: dict, num_visual: list[in
     model_type = adapter.config.model_type
     if inputs.get("pixel_values_videos") is not None or (inputs.get("mm_encoder_outputs") or {}).get("video"):
         raise ValueError("vflowopt supports image inputs only (no video); use 'transprune' or 'fastv' for video.")
-    images = _llava_images(adapter, crops) if model_type == "llava" else _tiled_images(adapter, crops, inputs)
+    images = _tiled_images(adapter, crops, inputs) if adapter.tiled_images else _llava_images(adapter, crops)
     result, queue = [], list(images)
     for count in num_visual:
         values, segments, filled = [], [], 0

@@ -10,19 +10,26 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vtprune.adapters import ADAPTERS
 from vtprune.errors import UserError
+from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path
+from vtprune.models.tiny import TINY_TYPES, no_video_processor, tiny_model
+
+# transformers and huggingface_hub are imported inside the functions that load a model: importing them takes
+# seconds, and `vtprune --help` and the argument checks must not pay that.
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "auto": "auto"}
 
 
 def resolve_model(spec: str | None) -> str:
     """The folder / hub id / ``tiny:`` spec that ``spec`` names (the embedded LLaVA by default)."""
-    from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path
 
     if spec in (None, "", "embedded"):
         return str(embedded_model_path("llava"))
@@ -42,7 +49,6 @@ def check_model_spec(spec: str | None) -> str:
     that looks like a path but does not exist is refused; a hub id must be in the local cache when the hub is
     offline (``HF_HUB_OFFLINE=1``), so nothing waits on network retries.
     """
-    from vtprune.models.tiny import TINY_TYPES
 
     target = resolve_model(spec)
     if target.startswith("tiny:"):
@@ -70,13 +76,11 @@ def _looks_like_path(target: str) -> bool:
 
 
 def _is_hub_id(target: str) -> bool:
-    import re
 
     return re.fullmatch(r"[A-Za-z0-9][\w.\-]{0,95}(/[A-Za-z0-9][\w.\-]{0,95})?", target) is not None
 
 
 def _hub_offline() -> bool:
-    import os
 
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -111,7 +115,6 @@ def check_device(device: str | None) -> str:
 def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str = "float32",
          device: str | None = None) -> tuple[Any, Any]:
     """``(model, processor)`` for ``spec``, in eval mode on ``device`` (CUDA when available by default)."""
-    from vtprune.models.tiny import tiny_model
 
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
@@ -143,27 +146,23 @@ def load_processor(path: str) -> Any:
 
     try:
         processor = AutoProcessor.from_pretrained(path)
-    except (AttributeError, ImportError, OSError, ValueError, TypeError) as error:
-        model_type = AutoConfig.from_pretrained(path).model_type
-        if not model_type.startswith("qwen"):
+    except (AttributeError, ImportError, OSError, ValueError, TypeError):
+        adapter = ADAPTERS.get(AutoConfig.from_pretrained(path).model_type)
+        if adapter is None or adapter.processor_class is None:
             raise
-        processor = _qwen_processor(model_type, AutoImageProcessor.from_pretrained(path),
-                                    AutoTokenizer.from_pretrained(path), error)
+        processor = _rebuilt_processor(adapter.processor_class, AutoImageProcessor.from_pretrained(path),
+                                       AutoTokenizer.from_pretrained(path))
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.padding_side = "left"
     return processor
 
 
-def _qwen_processor(model_type: str, image_processor: Any, tokenizer: Any, error: Exception) -> Any:
+def _rebuilt_processor(class_name: str, image_processor: Any, tokenizer: Any) -> Any:
+    """The model's processor class built without a video processor (Qwen-VL's needs torchvision)."""
     import transformers
 
-    from vtprune.models.tiny import no_video_processor
-
-    names = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor", "qwen3_vl": "Qwen3VLProcessor"}
-    if model_type not in names:
-        raise error
-    cls = no_video_processor(getattr(transformers, names[model_type]))
+    cls = no_video_processor(getattr(transformers, class_name))
     template = getattr(tokenizer, "chat_template", None)
     return cls(image_processor=image_processor, tokenizer=tokenizer, video_processor=None, chat_template=template)
 
