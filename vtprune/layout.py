@@ -30,20 +30,20 @@ class Layout:
         return not bool(self.valid.all())
 
 
-def repad(keep: torch.Tensor, left: bool, new_length: int | None = None) -> Layout:
-    """Pack the True positions of ``keep`` ``[B, L]`` into a padded layout, preserving their order.
+def repad(kept: torch.Tensor, left: bool, new_length: int | None = None) -> Layout:
+    """Pack the True positions of ``kept`` ``[B, L]`` into a padded layout, preserving their order.
 
     Left padding puts pads first so that every sample ends at index ``-1``; right padding puts them last.
     ``new_length`` (host int, optional) is the largest kept count; given, the function does not sync.
     """
-    batch, length = keep.shape
-    counts = keep.sum(dim=1)
+    batch, length = kept.shape
+    counts = kept.sum(dim=1)
     if new_length is None:
         new_length = int(counts.max()) if batch else 0
-    positions = torch.arange(length, device=keep.device).expand(batch, length)
+    positions = torch.arange(length, device=kept.device).expand(batch, length)
     # Stable sort keeps kept positions in order and moves the dropped ones behind them.
-    order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :new_length]
-    slot = torch.arange(new_length, device=keep.device).expand(batch, new_length)
+    order = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :new_length]
+    slot = torch.arange(new_length, device=kept.device).expand(batch, new_length)
     valid = slot < counts[:, None]
     if left:
         shift = (new_length - counts)[:, None]

@@ -14,7 +14,7 @@ from torch import nn
 from vtprune.layout import attention_mask_for, gather_tokens, mask_style
 from vtprune.methods.base import merge_step
 from vtprune.scoring import ScoreContext
-from vtprune.state import CallState, StageRecord, StageView, next_view, repad_known, select_keep
+from vtprune.state import CallState, StageRecord, StageView, next_view, repad_known, select_kept
 
 if TYPE_CHECKING:
     from vtprune.engine import PruneHandle
@@ -147,7 +147,7 @@ def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageV
     counts = [min(n, alive) for n, alive in zip(call.planned[index], view.alive, strict=True)]
     device = view.valid.device
     counts_t = torch.minimum(call.stage_counts[index].to(device), view.alive_count)
-    kept = select_keep(scores.to(device), view.visual, view.valid, counts_t,
+    kept = select_kept(scores.to(device), view.visual, view.valid, counts_t,
                        width=max(view.alive, default=0), k_max=max(counts, default=0))
     merge, merged = merge_step(scorer), None
     if merge is not None:  # an explicit step after selection: it may change the mask, so read the counts

@@ -206,11 +206,11 @@ def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
     return torch.where(visual, ordinal, torch.full_like(ordinal, -1))
 
 
-def select_keep(
+def select_kept(
     scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
     width: int | None = None, k_max: int | None = None,
 ) -> torch.Tensor:
-    """Keep mask ``[B, L]``: every valid text slot plus the top ``counts[b]`` alive visual slots by score.
+    """Kept mask ``[B, L]``: every valid text slot plus the top ``counts[b]`` alive visual slots by score.
 
     scores: ``[B, L]`` float; visual / valid: ``[B, L]`` bool; counts: ``[B]`` long; ``width`` (optional,
     host int) the largest number of alive visual slots of a sample and ``k_max`` the largest kept count:
@@ -274,6 +274,6 @@ def kept_ordinals(ordinals: list[torch.Tensor]) -> list[list[list[int]]]:
     return result
 
 
-def repad_known(keep: torch.Tensor, left: bool, lengths: list[int]) -> Layout:
+def repad_known(kept: torch.Tensor, left: bool, lengths: list[int]) -> Layout:
     """:func:`vtprune.layout.repad` with the kept lengths known on the host (no device sync)."""
-    return repad(keep, left, new_length=max(lengths, default=0))
+    return repad(kept, left, new_length=max(lengths, default=0))

@@ -134,22 +134,22 @@ class VFlowOpt(Scorer):
         side = ctx.adapter.config.vision_config.image_size // ctx.adapter.config.vision_config.patch_size
         return float(self.cell) if self.cell is not None else RELEASED_CELL * side / RELEASED_SIDE
 
-    def merge(self, ctx: ScoreContext, keep: torch.Tensor, scores: torch.Tensor,
+    def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recycling at the first stage: merge pruned tokens per grid cell into the cell's top member."""
         alive = ctx.visual & ctx.valid
         first = not ctx.state.get("vflowopt_staged")
         ctx.state["vflowopt_staged"] = True
-        if not (self.recycle and first) or bool(keep[alive].all()):
-            return keep, hidden
+        if not (self.recycle and first) or bool(kept[alive].all()):
+            return kept, hidden
         a = self.cell_side(ctx)
-        n_merge = torch.tensor([math.floor(int(n) / (a * a)) for n in ctx.num_visual.tolist()], device=keep.device)
-        cells = torch.full(ctx.ordinal.shape, -1, dtype=torch.long, device=keep.device)
+        n_merge = torch.tensor([math.floor(int(n) / (a * a)) for n in ctx.num_visual.tolist()], device=kept.device)
+        cells = torch.full(ctx.ordinal.shape, -1, dtype=torch.long, device=kept.device)
         for row, segments in enumerate(ctx.state["vflowopt_grids"]):
-            ids = vit.cell_ids(segments, int(ctx.num_visual[row]), a).to(keep.device)
+            ids = vit.cell_ids(segments, int(ctx.num_visual[row]), a).to(kept.device)
             slots = ctx.ordinal[row] >= 0
             cells[row, slots] = ids[ctx.ordinal[row, slots]]
-        demoted = lowest_kept(scores, keep & alive, n_merge)
-        candidate = alive & (~keep | demoted)
+        demoted = lowest_kept(scores, kept & alive, n_merge)
+        candidate = alive & (~kept | demoted)
         representative, hidden = recycle(hidden, scores, candidate, cells)
-        return (keep & ~demoted) | representative, hidden
+        return (kept & ~demoted) | representative, hidden
