@@ -114,12 +114,15 @@ def evaluate(model, processor, items: list[Item], method: str, keep: float, batc
 
 def _record(item: Item, text: str, evidence: torch.Tensor, stats, row: int) -> dict:
     total = stats.visual_tokens[row] if stats else int(evidence.numel())
-    kept_final = stats.kept_indices[-1][row] if stats and stats.kept_indices else list(range(total))
+    # Sequence pruning: what the last stage kept. KV retention (prefixkv): each layer's cache, averaged.
+    kv = bool(stats and stats.retained_kv)
+    kept_sets = [s[row] for s in stats.kept_indices] if stats and stats.kept_indices else [list(range(total))]
+    kept_sets = kept_sets if kv else kept_sets[-1:]
     ev = evidence.nonzero().flatten().tolist()
-    recall = len(set(ev) & set(kept_final)) / len(ev) if ev else float("nan")
+    recall = float(np.mean([len(set(ev) & set(k)) / len(ev) for k in kept_sets])) if ev else float("nan")
     return {"qtype": item.qtype, "correct": float(normalise(text) == normalise(item.answer)), "recall": recall,
             "visual": total, "kept": [s[row] for s in stats.kept] if stats else [],
-            "stages": list(stats.stage_layers) if stats else []}
+            "stages": list(stats.stage_layers) if stats else [], "kv": kv}
 
 
 def timing_ms(model, processor, items: list[Item], method: str, keep: float, repeats: int) -> dict:
@@ -161,11 +164,14 @@ def cost(model, records: list[dict], text_tokens: int) -> dict:
     visual = int(round(np.mean([r["visual"] for r in records])))
     stages = [(layer, int(round(np.mean([r["kept"][i] for r in records]))))
               for i, layer in enumerate(records[0]["stages"])] if records[0]["stages"] else []
-    per_layer = tokens_per_layer(shape, text_tokens, visual, stages)
     full = tokens_per_layer(shape, text_tokens, visual, [])
+    if records[0].get("kv"):  # KV retention: the prefill sees every token; each layer caches its own subset
+        per_layer, cached = full, [text_tokens + n for _, n in stages]
+    else:
+        per_layer = cached = tokens_per_layer(shape, text_tokens, visual, stages)
     flops = prefill_flops(shape, per_layer)
     return {"prefill_gflops": round(flops / 1e9, 6), "flops_ratio": round(flops / prefill_flops(shape, full), 4),
-            "kv_cache_bytes": kv_cache_bytes(shape, per_layer, next(model.parameters()).element_size()),
+            "kv_cache_bytes": kv_cache_bytes(shape, cached, next(model.parameters()).element_size()),
             "kept_per_stage": ";".join(f"{layer}:{n}" for layer, n in stages)}
 
 

@@ -1,8 +1,10 @@
-"""``vtprune calibrate``: fit a model's positional attention trend for attention debiasing.
+"""``vtprune calibrate``: fit a model's positional attention trend for attention debiasing, or (``--method
+prefixkv``) its PrefixKV profile of per-layer KV eviction ratios.
 
-Example::
+Examples::
 
     vtprune calibrate --model embedded:llava --method fastv --out vtprune/models/vtprune-llava-shapes/calibration.json
+    vtprune calibrate --model embedded:llava --method prefixkv --out runs/prefixkv.json   # then profile=FILE
 
 A file named ``calibration.json`` next to a model's ``config.json`` is what ``debias=True`` loads; any
 other path is used with ``debias=PATH`` (``--method fastv+debias`` plus ``debias=PATH`` in Python).
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range
 from vtprune.errors import UserError
@@ -23,7 +26,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default=None,
                         help="folder of images (+ optional questions.jsonl); default: the vtprune-shapes calib split")
     parser.add_argument("--n", type=int_range(1, 1_000_000), default=256, help="number of calibration prompts (default 256)")
-    parser.add_argument("--method", default="fastv", help="host whose attention is fitted: fastv, pdrop, transprune")
+    parser.add_argument("--method", default="fastv",
+                        help="host whose attention is fitted: fastv, pdrop, transprune; or prefixkv (a KV profile)")
+    parser.add_argument("--scope", default="visual", choices=("visual", "prompt"),
+                        help="prefixkv: which tokens may leave the cache (default visual)")
     parser.add_argument("--layer", type=int_range(1), action="append", default=None,
                         help="host pruning layer K (repeatable; default: the host's default stage layers)")
     parser.add_argument("--batch-size", type=int_range(1, 4096), default=16)
@@ -41,8 +47,9 @@ def command_calibrate(args: argparse.Namespace) -> int:
     from vtprune.models.loading import check_device, check_model_spec, load, model_label
 
     method = args.method.split("+")[0]
-    if method not in HOST_QUERIES:
-        raise UserError(f"--method {args.method!r}: calibration covers the attention hosts {', '.join(HOST_QUERIES)}.")
+    if method not in (*HOST_QUERIES, "prefixkv"):
+        raise UserError(f"--method {args.method!r}: calibration covers the attention hosts {', '.join(HOST_QUERIES)} "
+                        "and prefixkv.")
     out = check_output_file(args.out)
     if out.suffix.lower() == ".png":
         raise UserError(f"--out {args.out!r}: the plot is written next to the JSON as .png; give a .json path.")
@@ -51,6 +58,8 @@ def command_calibrate(args: argparse.Namespace) -> int:
     check_device(args.device)
     items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
     model, processor = load(args.model, args.attn, args.dtype, args.device)
+    if method == "prefixkv":
+        return _write_profile(args, out, model, processor, items)
     result = calibrate(model, processor, items, method, args.layer, args.batch_size, args.bins,
                        model_name=model_label(args.model))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -60,4 +69,19 @@ def command_calibrate(args: argparse.Namespace) -> int:
         print(f"score layer {key}: sigma {entry['sigma']:.3f}  mu {entry['mu']:.3f}  r2 {entry['r2']:.3f}  "
               f"({entry['n_pairs']} pairs)")
     print(f"wrote {out}" + (f" and {image}" if image else " (no plot: matplotlib is not installed)"))
+    return 0
+
+
+def _write_profile(args: argparse.Namespace, out: Any, model: Any, processor: Any, items: list) -> int:
+    from vtprune.eval.calibrate_kv import profile  # the PrefixKV side (loaded only for --method prefixkv)
+    from vtprune.models.loading import model_label
+
+    result = profile(model, processor, items, scope=args.scope, batch_size=args.batch_size,
+                     model_name=model_label(args.model))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for budget, ratios in result["budgets"].items():
+        print(f"keep {budget}: evicted per layer {', '.join(f'{r:.2f}' for r in ratios)}")
+    print(f"wrote {out} ({result['n_samples']} prompts); use it with --method prefixkv --keep K "
+          f"and profile={out} (scope={args.scope})")
     return 0

@@ -106,3 +106,57 @@ def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int
         logits.append(step_logits)
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
     return torch.tensor(tokens), torch.stack(logits).cpu()
+
+
+@torch.no_grad()
+def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, suppress: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of one sample when layer ``l``'s cache keeps only the visual tokens ``kept[l]`` (KV
+    retention, e.g. PrefixKV): no cache, every step recomputed by the unwrapped model, with a hand-built mask
+    handed to each decoder layer: prompt queries attend causally to the whole prompt (as at prefill), generated
+    queries at layer ``l`` to the prompt's text, ``kept[l]`` and the tokens generated so far."""
+    lm = _language_model(model)
+    ids = inputs["input_ids"]
+    prompt = ids.shape[1]
+    visual = _visual_positions(model, ids)
+    allowed_prompt = []
+    for layer_kept in kept:
+        allowed = torch.ones(prompt, dtype=torch.bool, device=ids.device)
+        allowed[visual] = False
+        allowed[visual[torch.tensor(layer_kept, dtype=torch.long, device=ids.device)]] = True
+        allowed_prompt.append(allowed)
+    dtype = next(model.parameters()).dtype
+    tokens, logits = [], []
+    for _ in range(steps):
+        length = ids.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+        masks = []
+        for allowed_keys in allowed_prompt:
+            allowed = causal.clone()
+            allowed[prompt:, :prompt] &= allowed_keys[None, :]
+            masks.append(torch.zeros(1, 1, length, length, dtype=dtype, device=ids.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min))
+
+        def per_layer(mask):
+            return lambda module, args, kwargs: (args, {**kwargs, "attention_mask": mask})
+
+        hooks = [layer.register_forward_pre_hook(per_layer(masks[i]), with_kwargs=True)
+                 for i, layer in enumerate(lm.layers)]
+        full = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        if "mm_token_type_ids" in inputs:
+            given = inputs["mm_token_type_ids"]
+            full["mm_token_type_ids"] = torch.cat(
+                [given, torch.zeros(1, length - prompt, dtype=given.dtype, device=given.device)], 1)
+        try:
+            step_logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                                **full).logits[0, -1].float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        choice = step_logits.clone()
+        choice[:suppress] = float("-inf")
+        token = int(choice.argmax())
+        tokens.append(token)
+        logits.append(step_logits)
+        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
+    return torch.tensor(tokens), torch.stack(logits).cpu()

@@ -11,7 +11,7 @@ import functools
 
 import pytest
 import torch
-from independent_reference import reference_decode
+from independent_reference import reference_decode, reference_decode_kv
 
 import vtprune
 from vtprune.models.tiny import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_inputs, tiny_model
@@ -104,9 +104,12 @@ def test_contract(case, model_type, impl):
             torch.testing.assert_close(alone_logits[0], logits[row], atol=1e-4, rtol=0)
     for row in range(len(samples)):
         kept = [stage[row] for stage in stats.kept_indices]
-        ref_tokens, ref_logits = reference_decode(model, alone[row], stages, kept, STEPS,
-                                                  suppress=len(SPECIAL_TOKENS),
-                                                  compact=options.get("positions") == "compact")
+        if method == "prefixkv":  # KV retention: each layer attends to its own kept entries
+            ref_tokens, ref_logits = reference_decode_kv(model, alone[row], kept, STEPS, suppress=len(SPECIAL_TOKENS))
+        else:
+            ref_tokens, ref_logits = reference_decode(model, alone[row], stages, kept, STEPS,
+                                                      suppress=len(SPECIAL_TOKENS),
+                                                      compact=options.get("positions") == "compact")
         assert torch.equal(ref_tokens, tokens[row])
         torch.testing.assert_close(ref_logits, logits[row], atol=1e-4, rtol=0)
 

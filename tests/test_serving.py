@@ -236,7 +236,7 @@ def test_no_host_sync_in_decode_hooks(model_type):
     model, processor = _model(model_type)
     inputs = tiny_inputs(processor, model_type, _samples(model_type))
     cases = [("fastv", {}), ("pdrop", {}), ("ttv", {}), ("transprune", {}), ("random", {"layer": 0}),
-             ("per_frame", {}), ("oracle", {}), ("none", {})]
+             ("per_frame", {}), ("oracle", {}), ("none", {}), ("prefixkv", {}), ("prefixkv", {"scope": "prompt"})]
     if model_type == "llava":
         cases += [("vflowopt", {}), ("pdrop", {"positions": "compact"})]
     for method, options in cases:
@@ -247,6 +247,6 @@ def test_no_host_sync_in_decode_hooks(model_type):
             model.generate(**inputs, max_new_tokens=6, do_sample=False)
         assert hooks.forwards["decode"] == 5
         assert sum(syncs.by_group.get("decode", {}).values()) == 0, (method, syncs.by_group["decode"])
-        if method in ("fastv", "pdrop", "ttv", "transprune", "random", "none"):
+        if method in ("fastv", "pdrop", "ttv", "transprune", "random", "none"):  # prefixkv: its host-side budget
             # The engine's own: visual counts, LM lengths, one plan copy, kept indices (+1 instruction width).
             assert sum(syncs.by_group["prefill"].values()) <= 5, (method, syncs.by_group["prefill"])

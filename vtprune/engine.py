@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from vtprune import decode, prefill
+from vtprune import decode, kv, prefill
 from vtprune.adapters.base import Adapter
 from vtprune.calls import CallRegistry
 from vtprune.config import PruneConfig
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.debias import Debiased
+from vtprune.methods.prefixkv import profile_ratios, read_profile
 from vtprune.plan import Plan
 from vtprune.state import (
     CallState,
@@ -64,8 +65,11 @@ class PruneHandle:
         self.observers: list[Callable[[StageRecord], None]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._warned_training = False
-        self.score_layers = plan.score_layers()
-        self.region_of_layer = plan.regions(adapter.num_layers)
+        self.retains_kv = bool(getattr(self.scorer, "retains_kv", False))
+        self.kv_ratios = kv_profile(self.scorer, adapter, config.keep) if self.retains_kv else None
+        layers = range(adapter.num_layers)
+        self.score_layers = set(layers) if self.retains_kv else plan.score_layers()
+        self.region_of_layer = [i + 1 for i in layers] if self.retains_kv else plan.regions(adapter.num_layers)
         self._register()
 
     @property
@@ -162,7 +166,7 @@ class PruneHandle:
         self._hooks.append(model.register_forward_hook(post, with_kwargs=True, always_call=True))
         lm = self.adapter.language_model
         self._hooks.append(lm.register_forward_pre_hook(EagerHook(self._lm_pre_hook), with_kwargs=True))
-        first = min((s.layer for s in self.plan.llm_stages), default=None)
+        first = 0 if self.retains_kv else min((s.layer for s in self.plan.llm_stages), default=None)
         for index, layer in enumerate(self.adapter.decoder_layers):
             if index in self.score_layers or (first is not None and index >= first):
                 hook = layer.register_forward_pre_hook(EagerHook(LayerHook(self, index)), with_kwargs=True)
@@ -236,6 +240,8 @@ class PruneHandle:
         if call.decoding:
             step = kwargs.get("input_ids", args[0] if args else None)
             call.decoded += step.shape[1] if step is not None else 1
+            if call.kv_decode is not None and output is not None:
+                kv.release_step(self, call)
             return
         self._finish_prefill(call, kwargs, output)
 
@@ -244,14 +250,16 @@ class PruneHandle:
         stats = call.stats
         if stats.timer is not None:
             stats.timer.stop()
+        ran = bool(call.views)
+        cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
+        if ran and cache is not None and self.retains_kv:
+            kv.evict(self, call, cache)
         if output is not None and call.views:
             stats.kept_indices = kept_ordinals(call.stage_ordinals)
             self.stats.append(stats)
             self.calls.last_stats = stats
             if self.record_indices >= 0 and len(self.stats) > self.record_indices:
                 self.stats[-self.record_indices - 1].kept_indices = None
-        ran = bool(call.views)
-        cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
         call.finish_prefill(self.config.positions == "compact")
         if ran and cache is not None:
             self.calls.bind(cache, call)
@@ -310,6 +318,8 @@ class LayerHook:
             return decode.layer_kwargs(self.handle, call, self.index, args, kwargs)
         if not call.views:
             return None
+        if self.handle.retains_kv:
+            return prefill.kv_priority(self.handle, call, self.index, module, args, kwargs)
         return prefill.layer(self.handle, call, self.index, module, args, kwargs)
 
 
@@ -323,6 +333,14 @@ class CaptureHook:
         state = self.handle.call_state(outside=self.capture.outside_forward)
         if state is not None:
             self.capture.fn(state, module, args, kwargs, output)
+
+
+def kv_profile(scorer: Scorer, adapter: Adapter, keep: float) -> list[float] | None:
+    """Per-layer eviction ratios from a KV-retention scorer's profile file, or None (decided per call)."""
+    if getattr(scorer, "profile", None) is None:
+        return None
+    budgets = read_profile(scorer.profile, adapter.config.model_type, adapter.num_layers, scorer.scope)
+    return profile_ratios(budgets, keep, f"profile {scorer.profile!r}")
 
 
 def _cache_of(kwargs: dict) -> Any:

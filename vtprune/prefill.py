@@ -171,3 +171,17 @@ def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageV
                              kept=kept, visual=view.visual, ordinal=view.ordinal, counts=list(alive),
                              visual_tokens=call.visual_counts, merged=merged))
     return kept, hidden, new
+
+
+def kv_priority(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
+    """KV retention at prefill: record this layer's key priorities ``[B, L]``; every token goes on."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    view = call.view
+    ctx = ScoreContext(
+        hidden=hidden, layer_index=index, layer=module, position_embeddings=kwargs.get("position_embeddings"),
+        valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
+        segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
+        visual_counts=call.visual_counts,
+    )
+    call.method_state.setdefault("kv_priority", {})[index] = handle.scorer.score(ctx)
+    return None

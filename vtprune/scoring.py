@@ -108,3 +108,34 @@ class ScoreContext:
         )
         scores = scores.to(self.valid.device)
         return scores if self.attention_filter is None else self.attention_filter(self, scores)
+
+    def received_attention(self, rows: int | None = None, chunk: int = 256) -> torch.Tensor:
+        """Head-averaged attention each slot receives, summed over query rows ``[B, L]`` (fp32; PrefixKV's priority).
+
+        ``rows=None``: every valid prompt position queries (exact column sums, streamed ``chunk`` query rows at a
+        time: no ``L x L`` matrix is kept); ``rows=n``: ``n`` evenly spaced valid positions of each sample, its
+        last one included (an approximation that costs ``n`` rows).
+        """
+        if self.layer is None or self.position_embeddings is None:
+            raise RuntimeError("attention scores need a decoder layer; the pre-LLM stage has none.")
+        batch, length = self.valid.shape
+        positions = torch.arange(length, device=self.valid.device).expand(batch, length)
+        if rows is None:
+            index, mask = positions, self.valid
+        else:
+            first = torch.where(self.valid, positions, length).min(dim=1).values
+            count = self.valid.sum(dim=1)
+            steps = torch.linspace(0, 1, max(int(rows), 1), device=self.valid.device)
+            index = first[:, None] + (steps[None, :] * (count[:, None] - 1).clamp(min=0)).round().long()
+            mask = torch.ones_like(index, dtype=torch.bool)
+        query, key = self.adapter.project_qk(self.layer, self.hidden, self.position_embeddings, index)
+        device = query.device
+        index, mask, valid = index.to(device), mask.to(device), self.valid.to(device)
+        scaling = float(getattr(self.layer.self_attn, "scaling", query.shape[-1] ** -0.5))
+        total = torch.zeros(batch, length, dtype=torch.float32, device=device)
+        for start in range(0, index.shape[1], chunk):
+            part = slice(start, start + chunk)
+            mean = visual_attention_scores(query[:, :, part], key, query_positions=index[:, part], key_valid=valid,
+                                           query_valid=mask[:, part], scaling=scaling, check=False)
+            total += mean * mask[:, part].sum(dim=1, keepdim=True)  # the kernel averages the rows: back to a sum
+        return total.to(self.valid.device)

@@ -24,7 +24,8 @@ class CallStats:
     """What one prefill did: visual tokens per sample before pruning and kept after each stage.
 
     ``kept_indices[s][b]`` lists the visual tokens of sample ``b`` alive after stage ``s``, as ordinals in
-    the sample's visual tokens (grid order: row-major per image, images in prompt order). It is kept for the
+    the sample's visual tokens (grid order: row-major per image, images in prompt order). With KV retention
+    (``retained_kv``, PrefixKV) every decoder layer is a "stage": what its cache kept. It is kept for the
     most recent calls only (``wrap(..., record_indices=N)``, default 8); older entries of ``handle.stats``
     hold ``None`` there, so a long-lived handle stays small.
     """
@@ -33,6 +34,7 @@ class CallStats:
     stage_layers: list[int] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
     kept_indices: list[list[list[int]]] | None = field(default_factory=list)
+    retained_kv: bool = False
     timer: Any = field(default=None, repr=False)
     _forward_ms: float | None = field(default=None, repr=False)
 
@@ -53,6 +55,7 @@ class CallStats:
             "stage_layers": self.stage_layers,
             "kept": self.kept,
             "kept_indices": self.kept_indices,
+            "retained_kv": self.retained_kv,
             "forward_ms": self.forward_ms,
         }
 
@@ -164,6 +167,7 @@ class CallState:
     regions: list[DecodeRegion] = field(default_factory=list)
     decode_columns: torch.Tensor | None = None
     step: dict[Any, Any] = field(default_factory=dict)
+    kv_decode: dict[str, Any] | None = None
 
     @property
     def view(self) -> StageView | None:
@@ -172,8 +176,7 @@ class CallState:
 
     def finish_prefill(self, compact: bool) -> None:
         """Keep only what decoding needs; drop inputs, captures, scores and the per-stage layer arguments."""
-        self.regions = []
-        for view in self.views[1:]:
+        for view in self.views[1:] if not self.regions else ():  # KV retention set its own per-layer regions
             removed = (self.base_count - view.valid.sum(dim=1))[:, None] if compact else None
             self.regions.append(DecodeRegion(valid=view.valid, padded=view.padded, removed=removed))
         self.inputs, self.segments, self.visual, self.ordinal = None, None, None, None

@@ -7,7 +7,7 @@ Built-in methods, one file each: ``none``, ``random``, ``oracle`` (:mod:`.baseli
 :func:`resolve` turns a name and options into a scorer; a user-defined scorer instance needs no registration.
 """
 
-from vtprune.methods import baselines, fastv, pdrop, per_frame, transprune, vflowopt  # noqa: F401 - register
+from vtprune.methods import baselines, fastv, pdrop, per_frame, prefixkv, transprune, vflowopt  # noqa: F401
 from vtprune.methods.base import Capture, Method, Scorer, Wrapper
 from vtprune.methods.debias import Debiased
 from vtprune.methods.per_frame import PerFrame

@@ -54,6 +54,9 @@ class Scorer:
     name: ClassVar[str] = "custom"
     requires: ClassVar[frozenset[str]] = frozenset()
     score_offset: ClassVar[int] = 0
+    #: KV-cache retention instead of sequence pruning: ``score`` runs at every layer and gives the priority of
+    #: its cached keys; after the prefill each layer's cache keeps its own top entries (PrefixKV).
+    retains_kv: ClassVar[bool] = False
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """``[B, L]`` importance of the current slots; only alive visual slots are ranked (higher is kept).

@@ -1,0 +1,108 @@
+"""KV-cache retention (PrefixKV): after a prefill, each layer's cache keeps its own top-priority tokens.
+
+The hidden states of the prefill kept every token; the scorer gave every layer a priority ``[B, L]`` of its
+keys (``call.method_state["kv_priority"]``). Here the per-layer counts are decided (a profile's ratios, or the
+per-sample search of :func:`vtprune.methods.prefixkv.layer_budgets`), each layer's keys and values are
+gathered to the kept entries (original RoPE positions are already in the keys), re-padded on the input's
+padding side, and every layer gets its own decode region (its kept slots), so decoding masks each layer's
+shorter cache exactly as the in-LM stages do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vtprune.methods.prefixkv import counts_from_ratios, layer_budgets
+from vtprune.state import CallState, DecodeRegion, repad_known, select_kept
+
+if TYPE_CHECKING:
+    from vtprune.engine import PruneHandle
+
+
+def evictable_mask(view: Any, scope: str, start: int) -> torch.Tensor:
+    """``[B, L]`` slots that may leave a layer's cache: visual tokens, or the prompt but its first ``start`` and
+    its last token (``scope="prompt"``)."""
+    if scope == "visual":
+        return view.visual & view.valid
+    rank = view.valid.long().cumsum(dim=1)
+    last = rank == view.valid.sum(dim=1, keepdim=True)
+    return view.valid & (rank > start) & ~last
+
+
+def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch.Tensor) -> list[list[int]]:
+    """``[layer][sample]`` evictable tokens each layer keeps (one host transfer of the priorities)."""
+    keep = handle.config.keep
+    counts = evictable.sum(dim=1).tolist()
+    layers = priorities.shape[0]
+    if handle.kv_ratios is not None:
+        per_sample = [counts_from_ratios(handle.kv_ratios, n) for n in counts]
+    elif keep >= 1.0:
+        per_sample = [[n] * layers for n in counts]
+    else:
+        host = priorities.float().cpu()
+        mask = evictable.cpu()
+        per_sample = [layer_budgets(host[:, b][:, mask[b]], keep) for b in range(len(counts))]
+    return [[per_sample[b][layer] for b in range(len(counts))] for layer in range(layers)]
+
+
+def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
+    """Shrink every layer of ``cache`` to its kept entries and set the call's per-layer decode regions."""
+    view = call.views[0]
+    priorities = torch.stack([call.method_state["kv_priority"][i] for i in range(handle.adapter.num_layers)])
+    evictable = evictable_mask(view, handle.scorer.scope, handle.scorer.start)
+    counts = layer_counts(handle, priorities, evictable)
+    fixed = view.valid & ~evictable
+    text = fixed.sum(dim=1).tolist()
+    regions, ordinals, visual_kept = [], [], []
+    for index, layer in enumerate(cache.layers):
+        kept_counts = torch.tensor(counts[index], device=evictable.device)
+        kept = select_kept(priorities[index].to(evictable.device), evictable, view.valid, kept_counts)
+        lengths = [t + n for t, n in zip(text, counts[index], strict=True)]
+        layout = repad_known(kept, call.left_padding, lengths)
+        gather = layout.index.to(layer.keys.device)[:, None, :, None]
+        layer.keys = torch.gather(layer.keys, 2, gather.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+        layer.values = torch.gather(layer.values, 2, gather.expand(-1, layer.values.shape[1], -1, layer.values.shape[3]))
+        padded = min(lengths, default=0) != layout.index.shape[1]
+        regions.append(DecodeRegion(valid=layout.valid, padded=padded))
+        ordinals.append(torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1))
+        visual_kept.append((kept & view.visual).sum(dim=1))
+    call.stats.stage_layers, call.stats.retained_kv = list(range(len(regions))), True
+    call.stats.kept = torch.stack(visual_kept).tolist()  # visual tokens in each layer's cache, per sample
+    call.stage_ordinals = ordinals
+    call.regions = regions
+    call.pre_llm_valid, call.pre_llm_padded = regions[0].valid, True  # layer 0 sizes transformers' masks
+    if handle.kv_ratios is not None and handle.scorer.decode == "release":
+        call.kv_decode = release_state(handle, view, counts, text, regions)
+
+
+def release_state(handle: PruneHandle, view: Any, counts: list[list[int]], text: list[int],
+                  regions: list[DecodeRegion]) -> dict:
+    """Per layer: where the next decode-time eviction lands (``distance`` before the end of the compressed
+    prompt, then the entries after it), the tokens each sample has seen and its cache length."""
+    seen = view.valid.sum(dim=1)
+    pointers, kept = [], []
+    for index, region in enumerate(regions):
+        width = region.valid.shape[1]
+        slots = torch.arange(width, device=region.valid.device).expand_as(region.valid)
+        end = torch.where(region.valid, slots + 1, 0).max(dim=1).values  # one past the last kept slot
+        pointers.append((end + handle.scorer.distance).clamp(min=0))
+        kept.append(torch.tensor([t + n for t, n in zip(text, counts[index], strict=True)], device=seen.device))
+    return {"seen": seen, "pointers": pointers, "kept": kept, "evicted": [torch.zeros_like(seen) for _ in regions]}
+
+
+def release_step(handle: PruneHandle, call: CallState) -> None:
+    """After a decode step: mask, per layer, the entry the release policy evicts when the cache holds more than
+    ``(1 - ratio_l)`` of the tokens seen (no device sync; at most one entry per layer and step)."""
+    state = call.kv_decode
+    seen = state["seen"] + call.decoded
+    for index, (ratio, region) in enumerate(zip(handle.kv_ratios, call.regions, strict=True)):
+        allowed = torch.ceil((1.0 - ratio) * seen.double()).long()
+        over = state["kept"][index] + call.decoded - state["evicted"][index] > allowed
+        pointer = state["pointers"][index].clamp(max=region.valid.shape[1] - 1)
+        current = region.valid.gather(1, pointer[:, None])
+        region.valid.scatter_(1, pointer[:, None], current & ~over[:, None])
+        state["evicted"][index] = state["evicted"][index] + over.long()
+        state["pointers"][index] = state["pointers"][index] + over.long()
+        region.padded = True

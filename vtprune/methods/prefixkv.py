@@ -1,0 +1,172 @@
+"""PrefixKV (Wang et al., arXiv:2412.03409): layer-adaptive KV-cache retention.
+
+KV compression, not sequence pruning: every layer computes over every token at prefill, and afterwards each
+layer's cache keeps its own subset of the evictable tokens (``scope="visual"``: the visual tokens, the rest of
+the prompt kept; ``scope="prompt"``: the whole prompt but its first ``start`` tokens and the last token).
+
+* **Priority** of a cached key at layer ``l``: the head-averaged attention it receives, summed over the prompt's
+  query rows (``ScoreContext.received_attention``: recomputed from the layer's q/k in chunks of rows, never an
+  ``L x L`` matrix kept; ``query_rows=n`` samples ``n`` evenly spaced rows instead).
+* **Per-layer retention** (the paper's global prefix configuration): sort each layer's priorities, normalise
+  them to sum 1 and take the cumulative curve ``P_l(n)``; one threshold ``p`` gives ``keep_l = #{n: P_l(n) < p}
+  + 1`` tokens per layer; ``p`` is found by bisection so that the layers keep ``keep`` of the evictable tokens on
+  average, then the counts are adjusted one token at a time (next-best priority first) to hit it exactly.
+  Without a profile this runs per call and per sample; ``vtprune calibrate --method prefixkv`` stores the
+  mean per-layer eviction ratios of a model for a grid of budgets (``profile=FILE``), as the released
+  ``confs/*.json``.
+* **Decode**: ``decode="keep"`` (default) keeps every generated token and the compressed prompt;
+  ``decode="release"`` (``scope="prompt"``, with a profile) keeps each layer's cache at ``(1 - ratio_l)`` of the
+  tokens seen by evicting, when one must go, the entry ``distance`` (-25) before the end of the compressed
+  prompt (the release's Elastic-Cache rule); such evictions are masked, not moved, so they do not shrink
+  memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from vtprune.config import Stage
+from vtprune.errors import UserError
+from vtprune.methods.base import Scorer
+from vtprune.methods.registry import register_method
+from vtprune.scoring import ScoreContext
+
+PROFILE_FORMAT = "vtprune-prefixkv-profile"
+SCOPES = ("visual", "prompt")
+DECODE_POLICIES = ("keep", "release")
+
+
+@register_method
+@dataclass(frozen=True)
+class PrefixKV(Scorer):
+    """Layer-adaptive KV-cache retention: each layer's cache keeps its top-priority tokens (PrefixKV)."""
+
+    name: ClassVar[str] = "prefixkv"
+    requires: ClassVar[frozenset[str]] = frozenset({"attention", "llm_layers"})
+    retains_kv: ClassVar[bool] = True
+    scope: str = "visual"
+    query_rows: int | None = None
+    start: int = 1
+    decode: str = "keep"
+    distance: int = -25
+    profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope={self.scope!r} must be one of {', '.join(SCOPES)} (which tokens may be evicted).")
+        if self.decode not in DECODE_POLICIES:
+            raise ValueError(f"decode={self.decode!r} must be one of {', '.join(DECODE_POLICIES)}.")
+        if self.query_rows is not None and (not isinstance(self.query_rows, int) or self.query_rows < 1):
+            raise ValueError(f"query_rows={self.query_rows!r} must be a positive int or None (every prompt row).")
+        if not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"start={self.start!r} must be an int >= 0 (protected first prompt tokens).")
+        if self.decode == "release" and (self.scope != "prompt" or self.profile is None):
+            raise ValueError("decode='release' evicts generated context at a fixed per-layer ratio: it needs "
+                             "scope='prompt' and profile=FILE (from `vtprune calibrate --method prefixkv`).")
+
+    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
+        return ()  # no sequence pruning: the hidden states keep every token
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        """Priority ``[B, L]`` of every cached key of this layer (attention received over the query rows)."""
+        return ctx.received_attention(self.query_rows)
+
+
+# -- pure functions ----------------------------------------------------------------------------------------
+def retention_curves(priority: torch.Tensor) -> torch.Tensor:
+    """``P_l(n)`` ``[layers, N]``: cumulative share of layer ``l``'s priority held by its top ``n + 1`` tokens."""
+    ordered = priority.double().clamp_min(0).sort(dim=1, descending=True).values
+    total = ordered.sum(dim=1, keepdim=True)
+    uniform = torch.full_like(ordered, 1.0 / max(ordered.shape[1], 1))
+    share = torch.where(total > 0, ordered / total.clamp_min(1e-300), uniform)
+    return share.cumsum(dim=1)
+
+
+def counts_at(curves: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``keep_l = #{n : P_l(n) < threshold} + 1`` per layer (at most ``N``)."""
+    return ((curves < threshold).sum(dim=1) + 1).clamp(max=curves.shape[1])
+
+
+def layer_budgets(priority: torch.Tensor, keep: float, iterations: int = 60) -> list[int]:
+    """Tokens each layer keeps (``[layers]``) so that together they keep ``keep`` of ``layers x N`` exactly.
+
+    priority: ``[layers, N]`` one sample's priorities of its evictable tokens. Bisection on the prefix threshold,
+    then one token at a time: added where the next token has the largest priority share, removed where the
+    last kept one has the smallest (never below 1 per layer).
+    """
+    layers, n = priority.shape
+    if n == 0:
+        return [0] * layers
+    target = min(layers * n, max(layers, math.floor(keep * layers * n + 0.5)))
+    curves = retention_curves(priority)
+    low, high = 0.0, 1.0 + 1e-9
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        if int(counts_at(curves, middle).sum()) < target:
+            low = middle
+        else:
+            high = middle
+    counts = counts_at(curves, high).tolist()
+    shares = torch.diff(curves, dim=1, prepend=torch.zeros(layers, 1, dtype=curves.dtype))
+    while sum(counts) != target:
+        if sum(counts) < target:
+            growable = (i for i in range(layers) if counts[i] < n)
+            layer = max(growable, key=lambda i: (float(shares[i, counts[i]]), -i))
+            counts[layer] += 1
+        else:
+            shrinkable = (i for i in range(layers) if counts[i] > 1)
+            layer = min(shrinkable, key=lambda i: (float(shares[i, counts[i] - 1]), i))
+            counts[layer] -= 1
+    return counts
+
+
+def counts_from_ratios(ratios: list[float], n: int) -> list[int]:
+    """Tokens each layer keeps from ``n`` given per-layer eviction ratios (``round(ratio * n)`` evicted)."""
+    return [max(min(n, 1), n - math.floor(r * n + 0.5)) for r in ratios]
+
+
+# -- profiles (`vtprune calibrate --method prefixkv`) --------------------------------------------------------
+def read_profile(path: str | Path, model_type: str, num_layers: int, scope: str) -> dict[float, list[float]]:
+    """``{budget: per-layer eviction ratios}`` of a profile file, checked against the model it is used on."""
+    name = str(path)
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"PrefixKV profile {name!r} cannot be read as JSON ({error}); create it with "
+                        "`vtprune calibrate --method prefixkv --out FILE`.") from error
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        raise UserError(f"{name!r} is not a PrefixKV profile (field 'format' must be {PROFILE_FORMAT!r}).")
+    for field, want in (("model_type", model_type), ("num_layers", num_layers), ("scope", scope)):
+        if data.get(field) != want:
+            raise UserError(f"PrefixKV profile {name!r} was made for {field}={data.get(field)!r}, but this run has "
+                            f"{field}={want!r}; calibrate a profile for this model and scope.")
+    budgets = data.get("budgets")
+    if not isinstance(budgets, dict) or not budgets:
+        raise UserError(f"PrefixKV profile {name!r}: field 'budgets' must map keep fractions to per-layer ratios.")
+    result = {}
+    for key, ratios in budgets.items():
+        ok = isinstance(ratios, list) and len(ratios) == num_layers and all(
+            isinstance(r, int | float) and 0.0 <= r <= 1.0 for r in ratios)
+        if not ok:
+            raise UserError(f"PrefixKV profile {name!r}: budgets[{key!r}] must be {num_layers} ratios in [0, 1].")
+        result[float(key)] = [float(r) for r in ratios]
+    return result
+
+
+def profile_ratios(budgets: dict[float, list[float]], keep: float, name: str = "profile") -> list[float]:
+    """Per-layer eviction ratios for ``keep``, interpolated linearly between the profile's budgets."""
+    grid = sorted(budgets)
+    if not grid[0] - 1e-9 <= keep <= grid[-1] + 1e-9:
+        raise UserError(f"keep={keep} is outside the budgets of PrefixKV {name} ({grid[0]:g} to {grid[-1]:g}); "
+                        "calibrate it for this budget or pick a keep inside that range.")
+    for low, high in zip(grid, grid[1:], strict=False):
+        if low <= keep <= high:
+            weight = 0.0 if high == low else (keep - low) / (high - low)
+            return [a + weight * (b - a) for a, b in zip(budgets[low], budgets[high], strict=True)]
+    return list(budgets[grid[0]])
