@@ -210,8 +210,9 @@ def run(args: argparse.Namespace) -> Path:
     env = conditions(model, args)
     text_tokens = _text_tokens(model, processor, items[0])
     rows = []
-    # "none" prunes nothing at any keep: one row at keep 1 is the reference.
-    plan = [(m, k) for m in methods for k in ([1.0] if m == "none" else keeps)]
+    plan = bench_plan(methods, keeps)
+    if 1.0 in keeps and any(m != "none" for m in methods):
+        print("[bench] keep 1 runs once, as 'none': at keep 1 every method keeps every visual token")
     progress = tqdm(total=len(plan) * len(items), desc="bench", unit="q")
     for method, keep in plan:
         records = evaluate(model, processor, items, method, keep, args.batch_size, progress)
@@ -227,8 +228,20 @@ def run(args: argparse.Namespace) -> Path:
         writer.writeheader()
         writer.writerows(rows)
     write_report(path, out)
-    print(f"[bench] wrote {path}, {out / 'bench.md'} and plots")
+    print()
+    print((out / "bench.md").read_text())
+    print(f"[bench] wrote {path}, {out / 'bench.md'} and plots ({out}/*.png)")
     return path
+
+
+def bench_plan(methods: list[str], keeps: list[float]) -> list[tuple[str, float]]:
+    """``(method, keep)`` runs: the unpruned reference ``none`` at keep 1 once, then every method below keep 1.
+
+    At keep 1 every method keeps every visual token and equals the unpruned model (``tests/test_contract.py``),
+    so its rows would repeat ``none``'s; ``none`` runs when it is listed or when keep 1 is asked for.
+    """
+    plan = [("none", 1.0)] if "none" in methods or 1.0 in keeps else []
+    return plan + [(m, k) for m in methods if m != "none" for k in keeps if k < 1.0]
 
 
 def _text_tokens(model, processor, item: Item) -> int:
@@ -242,25 +255,33 @@ def _text_tokens(model, processor, item: Item) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="accuracy / evidence recall / cost of methods x keep fractions")
-    parser.add_argument("--model", default=None, help="folder or hub id; default: the embedded LLaVA")
-    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--methods", default=DEFAULT_METHODS, type=name_list)
-    parser.add_argument("--keep", default=DEFAULT_KEEPS, type=keep_list, help="comma-separated keep fractions")
-    parser.add_argument("--split", default="test", choices=SPLITS)
-    parser.add_argument("--images", type=int_range(1, 100_000), default=100, help="images (6 questions each)")
-    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32)
-    parser.add_argument("--timing-samples", type=int_range(1, 10_000), default=4)
-    parser.add_argument("--repeats", type=int_range(1, 1000), default=3)
-    parser.add_argument("--threads", type=int_range(0, 1024), default=1, help="torch CPU threads (0: torch default; 1 avoids thread thrashing on shared CPUs)")
-    parser.add_argument("--out", default="runs/bench")
-    parser.add_argument("--speed", action="store_true", help="run the speed-proxy benchmark instead")
+    parser.add_argument("--model", default=None,
+                        help="model folder or hub id (default: the embedded LLaVA, 'embedded:llava')")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, type=name_list,
+                        help="comma-separated methods ('none' is the unpruned reference)")
+    parser.add_argument("--keep", default=DEFAULT_KEEPS, type=keep_list,
+                        help="comma-separated keep fractions (keep 1 runs once, as 'none')")
+    parser.add_argument("--split", default="test", choices=SPLITS, help="vtprune-shapes split")
+    parser.add_argument("--images", type=int_range(1, 100_000), default=100,
+                        help="images of the split (about 6 questions each)")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32, help="questions per generate() call")
+    parser.add_argument("--timing-samples", type=int_range(1, 10_000), default=4,
+                        help="questions timed at batch 1 for the prefill / decode columns")
+    parser.add_argument("--repeats", type=int_range(1, 1000), default=3, help="timed repeats per question")
+    parser.add_argument("--threads", type=int_range(0, 1024), default=1,
+                        help="torch CPU threads (0: torch's default; 1 avoids thread thrashing on shared CPUs)")
+    parser.add_argument("--out", default="runs/bench", help="output folder (CSV, Markdown table, plots)")
+    parser.add_argument("--speed", action="store_true",
+                        help="run the speed benchmark on a random-weight speed-proxy model instead")
     parser.add_argument("--speed-hidden", type=positive_int, default=1024, help="speed proxy: LM hidden size")
     parser.add_argument("--speed-layers", type=positive_int, default=16, help="speed proxy: LM layers")
     parser.add_argument("--speed-tokens", default="576,2880",
                         help="speed: geometries, comma-separated 576, 2880 (alias 2916), 2304, 16384, video, or all")
-    parser.add_argument("--layer", type=int_range(0), default=None, help="speed proxy: pruning layer (default: method's)")
+    parser.add_argument("--layer", type=int_range(0), default=None,
+                        help="speed proxy: pruning layer (default: the method's)")
     add_speed_arguments(parser)
     video = parser.add_argument_group("video (--video; --methods/--keep/--out default to none,fastv / 1,0.25 / "
                                       "runs/bench_video)")
@@ -274,18 +295,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     video.add_argument("--open-ended", action="store_true",
                        help="video: ask without the A-D options (GridProbe scores the peak first-token "
                             "probability); answers are mapped to the options")
-    video.add_argument("--route", default="auto", choices=("auto", "video", "images"), help="video: frame route")
+    video.add_argument("--route", default="auto", choices=("auto", "video", "images"),
+                       help="video: frame route (auto: the model's video processor when available)")
     video.add_argument("--probe-pixels", type=int_range(28 * 28, 1024 * 1024), default=224 * 224,
                        help="video: pixels per frame in the probes")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
-    from vtprune.models.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_attention, check_device, check_load
 
     check_device(args.device)
+    check_attention(args.attn, args.device)
     if not args.speed:
-        check_model_spec(args.model)
+        check_load(args.model, args.device, args.attn, args.dtype)
     if args.video:
         from vtprune.eval.bench_video import run_video
 

@@ -134,25 +134,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--method", default="vflowopt", help="method to tune (any; 'fastv+debias' ok)")
     parser.add_argument("--budget", type=keep_fraction, default=0.25,
                         help="average fraction of visual tokens over the decoder layers (VFlowOpt's R̄), in (0, 1]")
-    parser.add_argument("--trials", type=int_range(1, 100_000), default=50)
+    parser.add_argument("--trials", type=int_range(1, 100_000), default=50, help="optuna trials")
     parser.add_argument("--n-samples", type=int_range(1, 100_000), default=30, help="calibration prompts (default 30)")
-    parser.add_argument("--seed", type=int_range(0), default=0)
-    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32)
+    parser.add_argument("--seed", type=int_range(0), default=0, help="optuna sampler seed")
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=32, help="prompts per forward pass")
     parser.add_argument("--out", required=True, help="output JSON (use it with `vtprune run --config FILE`)")
-    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     parser.set_defaults(func=command_tune)
 
 
 def command_tune(args: argparse.Namespace) -> int:
     import vtprune
     from vtprune.cli.options import Pruning, check_pruning
-    from vtprune.models.loading import check_device, check_model_spec, load, model_label
+    from vtprune.models.loading import check_load, load, model_label
 
     out = check_output_file(args.out)
-    check_model_spec(args.model)
-    check_device(args.device)
+    check_load(args.model, args.device, args.attn, args.dtype)
     check_pruning(Pruning(args.method, args.budget))
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     result = tune(model, processor, args.method, args.budget, args.trials, args.n_samples, args.seed,

@@ -31,9 +31,9 @@ def test_answered_types_and_pooled_recall() -> None:
 
 def test_goal_lines_by_hand() -> None:
     lines = goal_summary(_rows())
-    assert "keep 0.25: accuracy 0.730 (fastv) = 97.3 % of unpruned 0.750; goal 97 %: met" in lines[2]
-    assert "keep 0.11: accuracy 0.690 (fastv) = 92.0 % of unpruned 0.750; goal 93 %: not met" in lines[3]
-    assert "evidence recall 0.700 (fastv), all questions; goal 0.8: not met" in lines[4]  # random excluded
+    assert "keep 0.25: accuracy 0.730 (fastv) = 97.3 % of unpruned 0.750; target 97 %: reached" in lines[2]
+    assert "keep 0.11: accuracy 0.690 (fastv) = 92.0 % of unpruned 0.750; target 93 %: below target" in lines[3]
+    assert "evidence recall 0.700 (fastv), all questions; target 0.8: below target" in lines[4]  # random excluded
     assert "evidence recall 0.900 (fastv) on the types the unpruned model answers (color)" in lines[5]
     assert "Evidence recall per question type" in markdown_table(_rows())
 

@@ -2,10 +2,15 @@
 
 ``import vtprune`` changes nothing global; every hook belongs to one wrapped model instance.
 
+>>> model, processor = vtprune.load("embedded:llava", device="cpu")  # doctest: +SKIP
 >>> handle = vtprune.wrap(model, method="fastv", keep=0.25)   # doctest: +SKIP
 >>> model.generate(**inputs)                                   # doctest: +SKIP
 >>> handle.remove()                                            # doctest: +SKIP
 """
+
+from typing import Any
+
+import torch
 
 from vtprune.api import apply, wrap
 from vtprune.config import PruneConfig, Stage, keep_count
@@ -16,8 +21,34 @@ from vtprune.state import CallStats, StageRecord
 
 __version__ = "0.1.0"
 
+
+def load(spec: str | None = None, *, device: str | None = None, dtype: str | torch.dtype = "float32",
+         attn_implementation: str = "sdpa") -> tuple[Any, Any]:
+    """Load a vision-language model and its processor: ``(model, processor)``, the model in eval mode.
+
+    ``spec``: ``"embedded:llava"`` (the default) or ``"embedded:qwen2_vl"``, the tiny models shipped in the
+    package (trained on the vtprune-shapes task: see the README); a folder saved with ``save_pretrained``; a
+    hub id such as ``"llava-hf/llava-1.5-7b-hf"`` or ``"Qwen/Qwen2.5-VL-7B-Instruct"``; or
+    ``"tiny:<model_type>"`` (random weights, for tests). ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or
+    ``"auto"`` (accelerate spreads the model over the GPUs); default CUDA when available. ``dtype``:
+    ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"auto"`` (the checkpoint's) or a ``torch.dtype``.
+    ``attn_implementation``: ``"sdpa"``, ``"eager"``, ``"flash_attention_2"``.
+
+    Bad values raise :class:`vtprune.errors.UserError` (a ``ValueError``) before any weight is read: an
+    unknown model type, a missing folder, a hub id that is neither cached nor reachable, CUDA or flash-attn
+    that this machine lacks. Loading is an application helper, not part of the pruning library: any model
+    and processor from ``transformers`` can be passed to :func:`wrap` as well.
+    """
+    # Imported here, not at the top: the library must not import the applications (vtprune.models pulls the
+    # embedded-model files, the hub client and transformers' auto classes), and `import vtprune` stays cheap.
+    from vtprune.models.loading import load as load_model
+
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    return load_model(spec, attn_implementation, dtype, device)
+
 __all__ = [
     "CallStats", "Capture", "PruneConfig", "PruneHandle", "ScoreContext", "Scorer", "Stage", "StageRecord", "apply",
     "keep_count",
-    "list_methods", "register_method", "resolve", "wrap", "__version__",
+    "list_methods", "load", "register_method", "resolve", "wrap", "__version__",
 ]

@@ -12,7 +12,14 @@ import os
 import sys
 
 from vtprune.cli.checks import int_range
-from vtprune.cli.options import add_pruning_arguments, effective_keep, effective_stages, pruning_choice
+from vtprune.cli.help import apply_help
+from vtprune.cli.options import (
+    add_pruning_arguments,
+    debias_source,
+    effective_keep,
+    effective_stages,
+    pruning_choice,
+)
 from vtprune.errors import UserError
 
 MAX_SAMPLE = 9_999
@@ -21,6 +28,7 @@ OPTIONAL_PACKAGES = {"optuna": "bench", "matplotlib": "bench", "gradio": "demo",
 
 COMMAND_MODULES = (
     "vtprune.cli",
+    "vtprune.cli.sample",
     "vtprune.eval.bench",
     "vtprune.eval.calibrate_cli",
     "vtprune.eval.tune",
@@ -34,19 +42,23 @@ def wrap_options(args: argparse.Namespace) -> dict:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    run = subparsers.add_parser("run", help="answer a question about an image with pruning")
-    run.add_argument("--image", default=None, help="image path (default: a generated vtprune-shapes sample)")
-    run.add_argument("--question", default=None, help="question (default: the sample's question)")
+    run = subparsers.add_parser("run", help="answer a question about an image (or --video) with pruning")
+    run.add_argument("--image", default=None,
+                     help="image file (default: a generated vtprune-shapes test image, see --sample)")
+    run.add_argument("--question", default=None,
+                     help="question (default: the generated sample's first question; with --image: "
+                          "'What is in the image?')")
     run.add_argument("--sample", type=int_range(0, MAX_SAMPLE), default=0,
-                     help=f"index of the generated test sample when no --image (0..{MAX_SAMPLE})")
-    run.add_argument("--max-new-tokens", type=int_range(1, 4096), default=8)
-    run.add_argument("--json", action="store_true", help="print one JSON object")
+                     help=f"which generated test sample to ask about when no --image is given, 0..{MAX_SAMPLE}")
+    run.add_argument("--max-new-tokens", type=int_range(1, 4096), default=8,
+                     help="longest answer, in tokens (the embedded models answer in 1-4)")
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of the text report")
     add_pruning_arguments(run)
     from vtprune.cli.video import add_video_arguments
 
     add_video_arguments(run)
     run.set_defaults(func=command_run)
-    info = subparsers.add_parser("info", help="versions, supported model types and methods")
+    info = subparsers.add_parser("info", help="versions, CUDA, supported model types and methods")
     info.set_defaults(func=command_info)
 
 
@@ -71,12 +83,14 @@ def command_run(args: argparse.Namespace) -> int:
         from vtprune.cli.video import command_run_video
 
         return command_run_video(args)
+    from vtprune.cli.options import check_depth
     from vtprune.media.images import crop_note, open_image
-    from vtprune.models.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_load
+    from vtprune.models.vocabulary import question_note
 
-    check_model_spec(args.model)
-    check_device(args.device)
+    check_load(args.model, args.device, args.attn, args.dtype)
     pruning = pruning_choice(args)
+    check_depth(pruning, args.model)
     expected = None
     if args.image is None:
         image, question, expected = _sample(args.sample)
@@ -85,8 +99,11 @@ def command_run(args: argparse.Namespace) -> int:
         image = open_image(args.image)
         question = _question(args, "What is in the image?")
     record, processor = _answer(args, pruning, image, question)
-    note = crop_note(processor, image.size)
-    record["notes"] = pruning.notes + ([note] if note else [])
+    notes = [question_note(processor, question, record["model"].startswith("embedded")),
+             crop_note(processor, image.size)]
+    if not record["answer"]:
+        notes.append(f"the model generated no text within {args.max_new_tokens} new tokens.")
+    record["notes"] = pruning.notes + [note for note in notes if note]
     if expected is not None:
         record["expected"] = expected
     if args.json:
@@ -109,7 +126,8 @@ def _answer(args: argparse.Namespace, pruning, image, question: str) -> tuple[di
                                   timing_repeats=3)[0]
     finally:
         handle.remove()
-    return {"answer": result.answer, "method": pruning.method, "keep": effective_keep(handle),
+    return {"answer": result.answer, "method": handle.scorer.name, "debias": debias_source(handle),
+            "keep": effective_keep(handle),
             "requested_keep": pruning.keep, "stages": effective_stages(handle),
             "visual_tokens": result.visual_tokens,
             "kept_tokens": result.kept_tokens[-1] if result.kept_tokens else result.visual_tokens,
@@ -125,7 +143,9 @@ def _print_run(record: dict) -> None:
     print(f"question  {record['question']}")
     print(f"answer    {record['answer']}" + (f"   (expected: {record['expected']})" if "expected" in record else ""))
     stages = ", ".join(f"layer {layer}: {kept}" for layer, kept in zip(record["stage_layers"], record["kept_per_stage"]))
-    print(f"method    {record['method']} keep={record['keep']}")
+    debias = f", debias: {record['debias']}" if record.get("debias") else ""
+    requested = (f" (asked {record['requested_keep']:g})" if record["requested_keep"] != record["keep"] else "")
+    print(f"method    {record['method']} keep={record['keep']:g}{requested}{debias}")
     print(f"visual    {record['visual_tokens']} tokens -> {record['kept_tokens']} kept ({stages or 'no stage'})")
     print(f"prefill   {record['prefill_ms']:.2f} ms (median of 3, after warm-up)")
     for note in record.get("notes", []):
@@ -153,8 +173,8 @@ def command_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vtprune", description="Visual-token pruning for Hugging Face VLMs.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="vtprune")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
             module = importlib.import_module(name)
@@ -163,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(subparsers)
+    apply_help(parser)
     return parser
 
 

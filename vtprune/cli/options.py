@@ -22,19 +22,30 @@ TRUE_WORDS, FALSE_WORDS = ("true", "1", "yes", "on"), ("false", "0", "no", "off"
 def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every command that prunes shares (model, method, keep, schedule, attention)."""
     parser.add_argument("--model", default=None,
-                        help="folder or hub id; default 'embedded:llava' (images) or 'embedded:qwen2_vl' (--video); 'tiny:<type>'")
+                        help="model folder or hub id (e.g. llava-hf/llava-1.5-7b-hf); default 'embedded:llava' "
+                             "(images) or 'embedded:qwen2_vl' (--video); 'tiny:<type>' is a random test model")
     parser.add_argument("--method", default=None,
-                        help="pruning method (see `vtprune info`; default fastv, or the --config file's); 'fastv+debias' ok")
+                        help="pruning method, see `vtprune info` (default fastv, or the --config file's); "
+                             "add '+debias' for debiased attention scores, e.g. fastv+debias")
     parser.add_argument("--keep", type=keep_fraction, default=None,
-                        help="fraction of visual tokens kept, in (0, 1] (default 0.25; a schedule's last stage wins)")
-    parser.add_argument("--layer", type=int_range(0), default=None, help="single pruning layer K (layers >= K pruned)")
-    parser.add_argument("--schedule", default=None, help="progressive stages, e.g. '2:0.5,8:0.25'")
-    parser.add_argument("--config", default=None, help="method configuration file (from `vtprune tune`)")
+                        help="fraction of the visual tokens kept, in (0, 1] (default 0.25, or the --config "
+                             "file's; a --schedule's last stage wins)")
+    parser.add_argument("--layer", type=int_range(0), default=None,
+                        help="prune once, before decoder layer K (0 = before the LM; default: the method's own)")
+    parser.add_argument("--schedule", default=None,
+                        help="progressive stages LAYER:KEEP,... with keep fractions of the original tokens, e.g. "
+                             "'1:0.5,3:0.25' (the embedded LMs have 4 layers; 7B models 32: '2:0.5,8:0.25'); "
+                             "default: the method's own")
+    parser.add_argument("--config", default=None,
+                        help="method configuration file written by `vtprune tune` (default: none)")
     parser.add_argument("--debias", default=None,
-                        help="debias attention scores: 'true' (model calibration or default trend), 'false' or a file")
-    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation (default sdpa)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype (default float32)")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+                        help="debias attention scores: 'true' (the model's calibration.json, else the default "
+                             "trend), 'false', or a file from `vtprune calibrate` (default: off)")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS,
+                        help="attn_implementation the model runs with (flash_attention_2: CUDA and flash-attn)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
+                        help="weights dtype (float16 / bfloat16 on GPUs; auto: the checkpoint's)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 
 
 @dataclass
@@ -157,3 +168,36 @@ def effective_keep(handle: Any) -> float:
     """The final keep fraction the handle applies (the last stage's; 1.0 when nothing is pruned)."""
     stages = effective_stages(handle)
     return stages[-1][1] if stages else 1.0
+
+
+def check_depth(choice: Pruning, spec: str | None) -> None:
+    """An explicit ``--schedule`` / ``--layer`` against the model's depth (read from its config), before loading."""
+    from vtprune.config import Stage, parse_schedule, validate_stages
+    from vtprune.models.loading import text_layers
+
+    schedule, layer = choice.options.get("schedule"), choice.options.get("layer")
+    if not schedule and layer is None:
+        return
+    layers = text_layers(spec)
+    if layers is None:
+        return
+    stages = parse_schedule(schedule) if schedule else (Stage(int(layer), choice.keep),)
+    flag = f"--schedule {schedule!r}" if schedule else f"--layer {layer}"
+    try:
+        validate_stages(stages, layers)
+    except ValueError as error:
+        raise UserError(f"{flag}: {error}") from error
+
+
+def debias_source(handle: Any) -> str | None:
+    """What debiases the handle's attention scores: a calibration file, 'default trend', or None (no debias)."""
+    from vtprune.methods import Debiased
+    from vtprune.methods.debias import DEFAULT_SIGMA
+
+    scorer = getattr(handle, "scorer", None)
+    while scorer is not None and not isinstance(scorer, Debiased):
+        scorer = getattr(scorer, "inner", None)
+    if scorer is None:
+        return None
+    source = scorer.debiaser.source
+    return f"default trend (sigma {DEFAULT_SIGMA:g})" if source == "default" else f"calibration {source}"

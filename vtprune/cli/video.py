@@ -21,18 +21,22 @@ MIN_PROBE_PIXELS, MAX_PROBE_PIXELS = 28 * 28, 1024 * 1024
 def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     """The video options of ``vtprune run``."""
     group = parser.add_argument_group("video")
-    group.add_argument("--video", default=None, help="video file: answer --question about it (decord, PyAV fallback)")
+    group.add_argument("--video", default=None,
+                       help="video file: answer --question about it (decord, PyAV fallback; write a test clip "
+                            "with `vtprune sample --video clip.mp4`)")
     group.add_argument("--frames", type=int_range(1, MAX_FRAMES), default=None,
                        help=f"frames sampled uniformly, 1..{MAX_FRAMES} (default 8; with --gridprobe K: K*K)")
     group.add_argument("--gridprobe", type=int_range(1, MAX_GRID), default=None, metavar="K",
                        help="select frames with GridProbe on a KxK grid (2K probes), then answer once")
-    group.add_argument("--options", default=None, help="multiple-choice options, e.g. 'A) red;B) blue;C) green'")
+    group.add_argument("--options", default=None,
+                       help="multiple-choice options, e.g. 'A) red;B) blue;C) green' (default: open-ended)")
     group.add_argument("--frame-budget", default="global", choices=("global", "per_frame"),
                        help="token budget over all frames (global) or each frame its own keep fraction")
     group.add_argument("--probe-pixels", type=int_range(MIN_PROBE_PIXELS, MAX_PROBE_PIXELS), default=224 * 224,
                        help=f"pixels per frame in GridProbe probes ({MIN_PROBE_PIXELS}..{MAX_PROBE_PIXELS})")
     group.add_argument("--selector", default=None, help="model spec of the GridProbe selector (default: --model)")
-    group.add_argument("--video-backend", default="auto", choices=("auto", "decord", "pyav"))
+    group.add_argument("--video-backend", default="auto", choices=("auto", "decord", "pyav"),
+                       help="video reader (auto: decord, then PyAV)")
     group.add_argument("--route", default="auto", choices=("auto", "video", "images"),
                        help="model's video processor (video) or frames as images; auto: video when available")
     group.add_argument("--measure-baseline", action="store_true",
@@ -41,22 +45,23 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
 
 def command_run_video(args: argparse.Namespace) -> int:
     """Answer ``args.question`` about ``args.video``; prints the answer, M_eff, frames and compute ratio."""
-    from vtprune.cli.options import final_keep, pruning_choice
+    from vtprune.cli.options import check_depth, final_keep, pruning_choice
     from vtprune.gridprobe.run import run_gridprobe
     from vtprune.media.video import load_video
     from vtprune.models.embedded import default_video_spec
-    from vtprune.models.loading import check_device, check_model_spec, load, model_label
+    from vtprune.models.loading import check_load, check_model_spec, load, model_label
+    from vtprune.models.vocabulary import question_note
 
     if not (args.question or "").strip():
         raise UserError("--video needs --question TEXT (a non-empty question about the video).")
     k = args.gridprobe
     frames = args.frames or (k * k if k else 8)
     args.model = args.model or default_video_spec()
-    check_model_spec(args.model)
-    check_device(args.device)
+    check_load(args.model, args.device, args.attn, args.dtype)
     if args.selector:
         check_model_spec(args.selector)
     pruning = pruning_choice(args)
+    check_depth(pruning, args.model)
     clip = load_video(args.video, frames, args.video_backend)
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     _check_prompt(model, processor, clip, args, k)
@@ -79,12 +84,25 @@ def command_run_video(args: argparse.Namespace) -> int:
     from vtprune.media.images import crop_note
 
     crop = crop_note(processor, clip.frames[0].size)
-    record["notes"] = list(record.get("notes", [])) + pruning.notes + ([f"frames: {crop}"] if crop else [])
+    vocabulary = question_note(processor, args.question, record["model"].startswith("embedded"))
+    record["debias"] = requested_debias(pruning)
+    record["notes"] = (list(record.get("notes", [])) + pruning.notes + ([f"frames: {crop}"] if crop else [])
+                       + ([vocabulary] if vocabulary else []))
     if args.json:
         print(json.dumps(record))
         return 0
     _print_video(record)
     return 0
+
+
+def requested_debias(pruning) -> str | None:
+    """Debiasing as asked (``+debias`` or ``--debias``): a calibration file, 'on', or None."""
+    option = pruning.options.get("debias")
+    if isinstance(option, str):
+        return f"calibration {option}"
+    if option or (option is None and pruning.method.endswith("+debias")):
+        return "on (the model's calibration.json, else the default trend)"
+    return None
 
 
 def _check_prompt(model, processor, clip, args: argparse.Namespace, k: int | None) -> None:
@@ -116,7 +134,8 @@ def _print_video(r: dict) -> None:
         print(f"frames    all {r['m_eff']} sampled frames (no --gridprobe)")
     times = ", ".join(f"{t:.2f}s" for t in r["times_selected"])
     print(f"selected  frames {r['frames_selected']} at [{times}]")
-    print(f"pruning   {r['method']} keep={r['keep']} ({r['frame_budget']}): {r['answer_visual_tokens']} visual tokens "
+    debias = f", debias {r['debias']}" if r.get("debias") else ""
+    print(f"pruning   {r['method']} keep={r['keep']:g} ({r['frame_budget']}{debias}): {r['answer_visual_tokens']} visual tokens "
           f"-> {r['answer_kept_tokens']} kept")
     line = (f"compute   {r['flops_ratio']:.3f}x the all-frames pass in LM FLOPs (probes {r['probe_flops'] / 1e9:.3f} + "
             f"answer {r['answer_flops'] / 1e9:.3f} vs {r['baseline_flops'] / 1e9:.3f} GFLOP)")

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 from vtprune.adapters import ADAPTERS
 from vtprune.errors import UserError
 from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path
+from vtprune.models.hub import hub_access
 from vtprune.models.tiny import TINY_TYPES, no_video_processor, tiny_model
 
 # transformers and huggingface_hub are imported inside the functions that load a model: importing them takes
@@ -47,7 +48,7 @@ def check_model_spec(spec: str | None) -> str:
 
     A ``tiny:`` type must exist; a path that exists must be a model folder (with ``config.json``); a value
     that looks like a path but does not exist is refused; a hub id must be in the local cache when the hub is
-    offline (``HF_HUB_OFFLINE=1``), so nothing waits on network retries.
+    offline (``HF_HUB_OFFLINE=1``) or cannot be reached (a probe of a few seconds, not 50 s of retries).
     """
 
     target = resolve_model(spec)
@@ -65,9 +66,7 @@ def check_model_spec(spec: str | None) -> str:
     if _looks_like_path(target) or not _is_hub_id(target):
         raise UserError(f"--model {spec!r}: no such folder, and not a hub id of the form ORG/NAME; give a model "
                         "folder, a hub id (e.g. llava-hf/llava-1.5-7b-hf), 'embedded:llava' or 'tiny:<type>'.")
-    if _hub_offline() and not _cached(target):
-        raise UserError(f"--model {target!r} is not in the local Hugging Face cache and the hub is offline "
-                        "(HF_HUB_OFFLINE=1); download it first (unset HF_HUB_OFFLINE) or give a local folder.")
+    hub_access(target)
     return target
 
 
@@ -80,15 +79,9 @@ def _is_hub_id(target: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.\-]{0,95}(/[A-Za-z0-9][\w.\-]{0,95})?", target) is not None
 
 
-def _hub_offline() -> bool:
-
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+def _local_only(target: str) -> bool:
+    """Load ``target`` from disk only: a folder, or a hub id while the hub is offline or unreachable."""
+    return Path(target).expanduser().exists() or hub_access(target)
 
 
 def check_device(device: str | None) -> str:
@@ -112,27 +105,92 @@ def check_device(device: str | None) -> str:
     return device
 
 
-def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str = "float32",
-         device: str | None = None) -> tuple[Any, Any]:
-    """``(model, processor)`` for ``spec``, in eval mode on ``device`` (CUDA when available by default)."""
+FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+                  "flash_attention_3": ("flash_attn_interface", "build flash-attention's hopper/ package (FA3)")}
 
+
+def check_attention(attn_implementation: str, device: str | None) -> None:
+    """Refuse a FlashAttention backend without its package or without a CUDA device (before loading)."""
+    if attn_implementation not in FLASH_PACKAGES:
+        return
+    module, install = FLASH_PACKAGES[attn_implementation]
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"--attn {attn_implementation} needs the package {module!r}, which is not installed "
+                        f"({install}; CUDA GPUs only); or use --attn sdpa.")
+    resolved = check_device(device)
+    if not resolved.startswith("cuda") and resolved != "auto":
+        raise UserError(f"--attn {attn_implementation} runs on CUDA GPUs only, and the device is {resolved!r}; "
+                        "use --attn sdpa here.")
+
+
+def check_load(spec: str | None, device: str | None = None, attn_implementation: str = "sdpa",
+               dtype: str = "float32") -> str:
+    """Every check :func:`load` makes before reading weights (model, device, dtype, attention); the target."""
     if dtype not in DTYPES:
         raise UserError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
-    device = check_device(device)
+    check_device(device)
+    check_attention(attn_implementation, device)
     target = check_model_spec(spec)
+    if not target.startswith("tiny:"):
+        check_model_type(model_config(target))
+    return target
+
+
+def model_config(target: str) -> Any:
+    """The ``transformers`` config of a folder or hub id (``config.json`` only: no weights are read)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(target, local_files_only=_local_only(target))
+    except (OSError, ValueError, KeyError) as error:
+        raise UserError(f"--model {target!r}: its config.json cannot be read ({type(error).__name__}: "
+                        f"{_first_line(error)}).") from error
+
+
+def check_model_type(config: Any) -> None:
+    """Refuse a model family vtprune has no adapter for (names the supported ``model_type`` values)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ADAPTERS:
+        raise UserError(f"--model is a {model_type!r} model; vtprune prunes {', '.join(sorted(ADAPTERS))} "
+                        "(see `vtprune info`).")
+
+
+def text_layers(spec: str | None) -> int | None:
+    """Decoder layers of the model's language model, read from its config (None for ``tiny:`` specs)."""
+    target = resolve_model(spec)
+    if target.startswith("tiny:"):
+        return None
+    config = model_config(target)
+    text = getattr(config, "text_config", None) or config
+    layers = getattr(text, "num_hidden_layers", None)
+    return int(layers) if layers else None
+
+
+def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str = "float32",
+         device: str | None = None) -> tuple[Any, Any]:
+    """``(model, processor)`` for ``spec``, in eval mode on ``device`` (CUDA when available by default).
+
+    Everything that can be checked without the weights is checked first (:func:`check_load`), so a bad
+    value fails in a second or two, not after loading. A hub id is read from the local cache when the hub
+    is offline or cannot be reached.
+    """
+    target = check_load(spec, device, attn_implementation, dtype)
+    device = check_device(device)
     if target.startswith("tiny:"):
         model, processor = tiny_model(target.split(":", 1)[1], attn_implementation)
         return model.to(device), processor
     from transformers import AutoModelForImageTextToText
 
+    local_only = _local_only(target)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
-            target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device
+            target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device,
+            local_files_only=local_only,
         ).eval()
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, ImportError) as error:
         raise UserError(f"--model {spec!r} could not be loaded as a vision-language model "
                         f"({type(error).__name__}: {_first_line(error)}).") from error
-    return model, load_processor(target)
+    return model, load_processor(target, local_files_only=local_only)
 
 
 def _first_line(error: BaseException) -> str:
@@ -140,18 +198,19 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else type(error).__name__)[:300]
 
 
-def load_processor(path: str) -> Any:
+def load_processor(path: str, local_files_only: bool = False) -> Any:
     """``AutoProcessor.from_pretrained(path)``; Qwen-VL processors without torchvision are rebuilt from parts."""
     from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
 
+    local = {"local_files_only": local_files_only}
     try:
-        processor = AutoProcessor.from_pretrained(path)
+        processor = AutoProcessor.from_pretrained(path, **local)
     except (AttributeError, ImportError, OSError, ValueError, TypeError):
-        adapter = ADAPTERS.get(AutoConfig.from_pretrained(path).model_type)
+        adapter = ADAPTERS.get(AutoConfig.from_pretrained(path, **local).model_type)
         if adapter is None or adapter.processor_class is None:
             raise
-        processor = _rebuilt_processor(adapter.processor_class, AutoImageProcessor.from_pretrained(path),
-                                       AutoTokenizer.from_pretrained(path))
+        processor = _rebuilt_processor(adapter.processor_class, AutoImageProcessor.from_pretrained(path, **local),
+                                       AutoTokenizer.from_pretrained(path, **local))
     tokenizer = getattr(processor, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.padding_side = "left"
