@@ -32,19 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefixkv: which tokens may leave the cache (default visual)")
     parser.add_argument("--layer", type=int_range(1), action="append", default=None,
                         help="host pruning layer K (repeatable; default: the host's default stage layers)")
-    parser.add_argument("--batch-size", type=int_range(1, 4096), default=16)
+    parser.add_argument("--batch-size", type=int_range(1, 4096), default=16, help="prompts per forward pass")
     parser.add_argument("--bins", type=int_range(1, 10_000), default=32, help="bins of the stored mean curve")
-    parser.add_argument("--out", required=True, help="output JSON; a PNG plot is written next to it")
-    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS)
-    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES)
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", required=True,
+                        help="output JSON (use it with --debias FILE); a PNG plot is written next to it. Named "
+                             "calibration.json inside a model folder, debias=true picks it up")
+    parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
+    parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     parser.set_defaults(func=command_calibrate)
 
 
 def command_calibrate(args: argparse.Namespace) -> int:
     from vtprune.eval.calibrate import HOST_QUERIES, calibrate, calibration_items, plot
 
-    from vtprune.models.loading import check_device, check_model_spec, load, model_label
+    from vtprune.models.loading import check_load, load, model_label
 
     method = args.method.split("+")[0]
     if method not in (*HOST_QUERIES, "prefixkv"):
@@ -54,8 +56,7 @@ def command_calibrate(args: argparse.Namespace) -> int:
     if out.suffix.lower() == ".png":
         raise UserError(f"--out {args.out!r}: the plot is written next to the JSON as .png; give a .json path.")
     check_output_file(out.with_suffix(".png"), "--out (its PNG plot)")
-    check_model_spec(args.model)
-    check_device(args.device)
+    check_load(args.model, args.device, args.attn, args.dtype)
     items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     if method == "prefixkv":
@@ -74,6 +75,7 @@ def command_calibrate(args: argparse.Namespace) -> int:
 
 def _write_profile(args: argparse.Namespace, out: Any, model: Any, processor: Any, items: list) -> int:
     from vtprune.eval.calibrate_kv import profile  # the PrefixKV side (loaded only for --method prefixkv)
+
     from vtprune.models.loading import model_label
 
     result = profile(model, processor, items, scope=args.scope, batch_size=args.batch_size,
