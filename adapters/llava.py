@@ -33,7 +33,8 @@ class LlavaAdapter(Adapter):
     """``LlavaForConditionalGeneration``: ``model.model.vision_tower`` + ``multi_modal_projector``."""
 
     model_types = ("llava",)
-    capabilities = Adapter.capabilities | {"clip_tower"}  # CLIP / SigLIP: VFlowOpt's ViT map
+    #: CLIP / SigLIP: VFlowOpt's ViT map; "vit_attention": a vision layer's attention and keys (VisionZip).
+    capabilities = Adapter.capabilities | {"clip_tower", "vit_attention"}
     family = "llava"
     image_sizes_from_user = True
 

@@ -15,7 +15,8 @@ class Qwen2VLAdapter(Adapter):
     """
 
     model_types = ("qwen2_vl",)
-    capabilities = frozenset({"attention", "llm_layers"})  # 3-D M-RoPE positions are not renumbered
+    #: 3-D M-RoPE positions are not renumbered; "vit_attention": a ViT block's attention and keys (VisionZip).
+    capabilities = frozenset({"attention", "llm_layers", "vit_attention"})
     family = "qwen"
     processor_class = "Qwen2VLProcessor"
 
@@ -26,6 +27,20 @@ class Qwen2VLAdapter(Adapter):
     @property
     def merge_size(self) -> int:
         return int(getattr(self.config.vision_config, "spatial_merge_size", 2))
+
+    @property
+    def vit_blocks(self) -> nn.ModuleList:
+        """The ViT blocks (``norm1``, ``attn.qkv``; called with ``cu_seqlens`` and ``position_embeddings``)."""
+        return self.vision_tower.blocks
+
+    def vit_full_attention_blocks(self) -> list[int]:
+        """Blocks whose attention spans a whole image or frame (Qwen2-VL, Qwen3-VL: every block)."""
+        return list(range(len(self.vit_blocks)))
+
+    def vit_merged_order(self, grid_thw: torch.Tensor) -> torch.Tensor | None:
+        """Index ``[S / merge_size^2]`` putting the merger units, in the order the blocks see them, back in
+        token order; None when the blocks already see token order (Qwen2-VL, Qwen3-VL)."""
+        return None
 
     def segments(self, input_ids: torch.Tensor, inputs: dict) -> list[list[VisualSegment]]:
         """Per sample, each run of image / video tokens with its merged (t, h, w) grid.

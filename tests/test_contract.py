@@ -19,6 +19,7 @@ from vtprune.models.tiny import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_i
 torch.set_num_threads(1)
 STEPS = 4
 MULTI_STAGE = ("pdrop", "ttv", "transprune")
+PRE_LLM = ("visionzip", "divprune", "temporal")  # default stage at layer 0; Qwen3-VL (DeepStack) prunes at 2
 CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact"]
 
 
@@ -27,7 +28,10 @@ def _model(model_type: str, impl: str):
     return tiny_model(model_type, impl, image_size=112)
 
 
-def _samples(model_type: str) -> list:
+def _samples(model_type: str, method: str = "") -> list:
+    if method == "temporal":  # a video method: frames as images, a ragged batch of 2 and 3 frames
+        return [("what color is the circle?", [random_image(120, 90, 1), random_image(120, 90, 4)]),
+                ("how many?", [random_image(64, 64, 2), random_image(64, 64, 5), random_image(64, 64, 6)])]
     if model_type.startswith("qwen"):
         return [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
     return [("what color is the circle?", [random_image(120, 90, 1)]),
@@ -46,6 +50,10 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["schedule"] = "2:0.6,3:0.4"
     if method == "vflowopt":
         options["recycle"] = False  # the reference gathers tokens; recycling merges them (tested elsewhere)
+    if method == "visionzip":
+        options["contextual"] = 0.0  # the reference gathers tokens; the contextual merge is tested elsewhere
+    if model_type == "qwen3_vl" and method in PRE_LLM:
+        options["layer"] = 2
     return method, options
 
 
@@ -83,7 +91,7 @@ def test_contract(case, model_type, impl):
         return
     model, processor = _model(model_type, impl)
     method, options = _options(case, model_type)
-    samples = _samples(model_type)
+    samples = _samples(model_type, method)
     batch = tiny_inputs(processor, model_type, samples)
     alone = [tiny_inputs(processor, model_type, [s]) for s in samples]
     _check_identity(model, method, options, batch, alone[0], model_type)

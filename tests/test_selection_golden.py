@@ -2,7 +2,8 @@
 method x family (SDPA, keep 0.4, a ragged batch of 2, debias variants included), against a committed file.
 
 Regenerate (only when a selection change is intended, and say why in the commit):
-``python tests/test_selection_golden.py --write``.
+``python tests/test_selection_golden.py --write``; ``--add`` writes only the cases missing from the file
+(a new method), leaving every existing key as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_mode
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "selection_golden.json"
 CASES = ["fastv", "fastv+debias", "pdrop", "pdrop+debias", "ttv", "transprune", "transprune+debias", "vflowopt",
-         "random", "random@0", "oracle", "per_frame", "pdrop@compact"]
+         "random", "random@0", "oracle", "per_frame", "pdrop@compact", "visionzip", "divprune", "dart", "temporal"]
+PRE_LLM = ("visionzip", "divprune", "temporal")  # stage at layer 0; Qwen3-VL (DeepStack) prunes at layer 2
 
 
 @functools.cache
@@ -43,6 +45,8 @@ def _options(case: str, model_type: str) -> tuple[str, dict] | None:
         return None
     if model_type == "qwen3_vl" and method.split("+")[0] in ("pdrop", "ttv", "transprune"):
         options["schedule"] = "2:0.6,3:0.4"
+    if model_type == "qwen3_vl" and method in PRE_LLM:
+        options["layer"] = 2
     return method, options
 
 
@@ -52,7 +56,10 @@ def selection(case: str, model_type: str) -> list | None:
         return None
     method, options = spec
     model, processor = _model(model_type)
-    if model_type.startswith("qwen"):
+    if method == "temporal":  # a video method: frames as images
+        samples = [("what color is the circle?", [random_image(120, 90, 1), random_image(120, 90, 4)]),
+                   ("how many?", [random_image(64, 64, 2), random_image(64, 64, 5), random_image(64, 64, 6)])]
+    elif model_type.startswith("qwen"):
         samples = [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
     else:
         samples = [("what color is the circle?", [random_image(120, 90, 1)]),
@@ -74,7 +81,10 @@ def test_selection_is_unchanged(case, model_type):
     assert selection(case, model_type) == golden[f"{case}/{model_type}"]
 
 
-if __name__ == "__main__" and "--write" in sys.argv:
+if __name__ == "__main__" and ("--write" in sys.argv or "--add" in sys.argv):
     torch.set_num_threads(1)
-    GOLDEN.write_text(json.dumps({f"{c}/{t}": selection(c, t) for c in CASES for t in TINY_TYPES}))
-    print(f"wrote {GOLDEN}")
+    golden = json.loads(GOLDEN.read_text()) if "--add" in sys.argv else {}
+    keys = [(c, t) for c in CASES for t in TINY_TYPES if f"{c}/{t}" not in golden]
+    golden.update({f"{c}/{t}": selection(c, t) for c, t in keys})
+    GOLDEN.write_text(json.dumps(golden))
+    print(f"wrote {len(keys)} case(s) to {GOLDEN}")
