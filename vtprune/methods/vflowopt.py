@@ -17,8 +17,15 @@
 Budget: ``budget`` (when given; otherwise the budget whose schedule ends at ``keep``) is the **average retention** ``R̄ = (R1 L1 + R1 R2 L2 + R1 R2 R3 L3) / L``
 (spec 4.5), not the final fraction; ``R3`` is solved from ``R1``, ``R2`` and clipped to ``[0.01, 1]`` unless
 given (then the budget is not enforced). Default
-``R1``, ``R2`` interpolate the released LLaVA-OneVision configurations. Towers: CLIP / SigLIP (LLaVA family);
-Qwen-VL models are rejected at wrap time.
+``R1``, ``R2`` interpolate the released LLaVA-OneVision configurations.
+
+Towers (adapter capability ``"vit_attention"``): CLIP / SigLIP (LLaVA family) and the Qwen-VL ViT
+(:mod:`vtprune.methods.qwen_vit`: the last full-attention block, recomputed with its 2-D rotary embedding,
+averaged over each 2x2 merge group; VFlowOpt's Table 3 runs Qwen2-VL-7B). On Qwen the recycling cells are in
+merged-token units, ``a = 15.58 sqrt(h w) / 27`` per image (the release's cell-to-side ratio on each image's
+``h x w`` merged grid). Qwen3-VL adds DeepStack features after its first LM layers, so it cannot prune before
+the LM (``layer=0``): give a schedule from layer ``len(deepstack_visual_indexes)`` on (recycling then merges
+that layer's hidden states).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from vtprune.config import Stage
-from vtprune.methods import schedules, vit
+from vtprune.methods import qwen_vit, schedules, vit
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.entropy import denormalize, entropy_weights, patch_entropy
 from vtprune.methods.functional import lowest_kept, recycle
@@ -46,7 +53,7 @@ class VFlowOpt(Scorer):
     """Vision-tower importance map, pre-LLM recycling, drops at layers 9/18 of 28 (VFlowOpt)."""
 
     name: ClassVar[str] = "vflowopt"
-    requires: ClassVar[frozenset[str]] = frozenset({"clip_tower"})
+    requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
     budget: float | None = None
     r1: float | None = None
     r2: float | None = None
@@ -76,6 +83,8 @@ class VFlowOpt(Scorer):
     # -- captures ------------------------------------------------------------------------------------------
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
         """The vision tower's pixels (entropy term) and the chosen ViT layer's input (the importance map)."""
+        if hasattr(adapter, "vit_blocks"):
+            return self._qwen_captures(adapter)
         layers = vit.encoder_layers(adapter)
         index = vit.feature_layer_index(adapter) if self.vit_layer is None else int(self.vit_layer)
         if not 0 <= index < len(layers):
@@ -109,16 +118,56 @@ class VFlowOpt(Scorer):
 
         return grab
 
+    def _qwen_captures(self, adapter: Any) -> tuple[Capture, ...]:
+        """The tower's ``grid_thw`` (and pixels) and the input of the chosen full-attention block."""
+        index = qwen_vit.choose_block(adapter, self.vit_layer)
+        stats = vit.pixel_statistics(adapter, self.image_mean, self.image_std)
+        patch = int(adapter.config.vision_config.patch_size)
+        return (Capture(adapter.vision_tower, self._grab_tower, before=True, outside_forward=True),
+                Capture(adapter.vit_blocks[index], self._grab_block(adapter, stats, patch), before=True,
+                        outside_forward=True))
+
+    def _grab_tower(self, state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        state["vflowopt_grid"] = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
+        if self.alpha:
+            state["vflowopt_pixels"] = args[0] if args else kwargs.get("hidden_states")
+
+    def _grab_block(self, adapter: Any, stats: tuple, patch: int):
+        def grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            grid = state.pop("vflowopt_grid", None)
+            if grid is None:
+                raise RuntimeError("vflowopt saw a Qwen-VL ViT block run without the tower's grid_thw.")
+            hidden = args[0] if args else kwargs["hidden_states"]
+            with torch.no_grad():
+                images = qwen_vit.image_maps(adapter, module, hidden, kwargs, grid, self._threshold)
+                pixels = state.pop("vflowopt_pixels", None)
+                if self.alpha and pixels is not None:
+                    weights = qwen_vit.pixel_entropy_map(pixels, grid, stats, patch, adapter.merge_size ** 2)
+                    parts = torch.split(weights.to(images[0][0].device), [v.numel() for v, _ in images])
+                    images = [(v + self.alpha * w, g) for (v, g), w in zip(images, parts, strict=True)]
+            state["vflowopt_images"] = images
+
+        return grab
+
+    def _threshold(self, tokens: int) -> float:
+        """``t`` for a map over ``tokens`` patches: the option, else the release's 35 scaled from 730 tokens."""
+        return float(self.threshold) if self.threshold is not None else RELEASED_THRESHOLD * tokens / RELEASED_TOKENS
+
     # -- scoring -------------------------------------------------------------------------------------------
     def importance(self, ctx: ScoreContext) -> torch.Tensor:
         """The map ``[B, N0max + 1]`` by visual ordinal (built once per call from the captured ViT layer)."""
         table = ctx.state.get("vflowopt")
         if table is None:
             crops = ctx.state.pop("vflowopt_crops", None)
-            if crops is None:
+            images = ctx.state.pop("vflowopt_images", None)
+            if crops is None and images is None:
                 raise RuntimeError("vflowopt found no vision-tower map for this call (were images passed?).")
             counts = [int(n) for n in ctx.num_visual.tolist()]
-            maps = vit.arrange(ctx.adapter, crops, ctx.inputs, counts)
+            if images is not None:  # Qwen-VL: per-image maps, laid out in batch order
+                vit.check_images_only(ctx.inputs)
+                maps = vit.distribute(images, counts, ctx.adapter.config.model_type)
+            else:
+                maps = vit.arrange(ctx.adapter, crops, ctx.inputs, counts)
             table = torch.zeros(len(counts), max(counts) + 1, device=ctx.valid.device)
             for row, (values, _) in enumerate(maps):
                 table[row, : values.numel()] = values.to(table.device)
@@ -134,6 +183,20 @@ class VFlowOpt(Scorer):
         side = ctx.adapter.config.vision_config.image_size // ctx.adapter.config.vision_config.patch_size
         return float(self.cell) if self.cell is not None else RELEASED_CELL * side / RELEASED_SIDE
 
+    def cells(self, ctx: ScoreContext, segments: list, count: int) -> tuple[torch.Tensor, int]:
+        """Cell of each of the sample's ``count`` visual tokens ``[count]`` and its merge count ``n_merge``.
+
+        One side ``a`` for the call (``cell``, or the release's scaled to a CLIP / SigLIP crop): ``n_merge =
+        floor(N / a^2)``. Qwen-VL without ``cell``: ``a`` per image (:data:`RELEASED_CELL` ``/ 27`` of the side
+        of a square with the image's ``h w`` merged tokens), ``n_merge = sum_images floor(h w t / a^2)``.
+        """
+        if self.cell is not None or not hasattr(ctx.adapter, "vit_blocks"):
+            a = self.cell_side(ctx)
+            return vit.cell_ids(segments, count, a), math.floor(count / (a * a))
+        sides = [RELEASED_CELL * math.sqrt(s.h * s.w) / RELEASED_SIDE for s in segments]
+        merged = sum(math.floor(s.length / (a * a)) for s, a in zip(segments, sides, strict=True))
+        return vit.cell_ids(segments, count, sides), merged
+
     def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recycling at the first stage: merge pruned tokens per grid cell into the cell's top member."""
@@ -142,13 +205,14 @@ class VFlowOpt(Scorer):
         ctx.state["vflowopt_staged"] = True
         if not (self.recycle and first) or bool(kept[alive].all()):
             return kept, hidden
-        a = self.cell_side(ctx)
-        n_merge = torch.tensor([math.floor(int(n) / (a * a)) for n in ctx.num_visual.tolist()], device=kept.device)
+        merges = []
         cells = torch.full(ctx.ordinal.shape, -1, dtype=torch.long, device=kept.device)
         for row, segments in enumerate(ctx.state["vflowopt_grids"]):
-            ids = vit.cell_ids(segments, int(ctx.num_visual[row]), a).to(kept.device)
+            ids, n_merge = self.cells(ctx, segments, ctx.visual_counts[row])
+            merges.append(n_merge)
             slots = ctx.ordinal[row] >= 0
-            cells[row, slots] = ids[ctx.ordinal[row, slots]]
+            cells[row, slots] = ids.to(kept.device)[ctx.ordinal[row, slots]]
+        n_merge = torch.tensor(merges, device=kept.device)
         demoted = lowest_kept(scores, kept & alive, n_merge)
         candidate = alive & (~kept | demoted)
         representative, hidden = recycle(hidden, scores, candidate, cells)

@@ -1,9 +1,10 @@
 """Vision-tower side of VFlowOpt (arXiv:2508.05211): ViT attention, context relevance, and token layout.
 
-Supported towers: CLIP and SigLIP (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision). Their attention has no rotary
-embedding and no mask, so one layer's head-averaged softmax is recomputed from its ``layer_norm1``,
-``q_proj`` and ``k_proj`` on the captured layer input (no eager attention in the model).
-Qwen-VL's ViT (2-D rotary, windowed blocks, patch merger) is not supported.
+CLIP and SigLIP towers (LLaVA-1.5, LLaVA-NeXT, LLaVA-OneVision): their attention has no rotary embedding and
+no mask, so one layer's head-averaged softmax is recomputed from its ``layer_norm1``, ``q_proj`` and ``k_proj``
+on the captured layer input (no eager attention in the model). Qwen-VL towers (2-D rotary, windowed blocks,
+patch merger): :mod:`vtprune.methods.qwen_vit`. Both end in per-image maps that :func:`distribute` lays out
+over each sample's visual tokens.
 """
 
 from __future__ import annotations
@@ -53,22 +54,24 @@ def context_relevance(attention: torch.Tensor, threshold: float) -> torch.Tensor
     return (chosen[:, :, None] * attention).sum(dim=1) / chosen.sum(dim=1, keepdim=True)
 
 
-def cell_ids(segments: list, count: int, cell: float) -> torch.Tensor:
+def cell_ids(segments: list, count: int, cell: float | list[float]) -> torch.Tensor:
     """Recycling cell ``[count]`` of each visual token of one sample (-1: no cell), VFlowOpt Sec. 3.3.
 
     A token at ``(frame, row, col)`` of a segment's grid lies in cell ``(frame, floor(row/a), floor(col/a))``;
     every segment (base view, tile grid incl. its newline column, frame) has its own cells. A segment's
     ``extra`` tokens come first (LLaVA ``full`` strategy: CLS) and get no cell. A flat segment (grid
-    unknown, ``h == 1``) groups ``a^2`` consecutive tokens.
+    unknown, ``h == 1``) groups ``a^2`` consecutive tokens. ``cell``: one side ``a`` for every segment, or one
+    per segment (Qwen-VL images of different sizes).
     """
     out = torch.full((count,), -1, dtype=torch.long)
     offset = 0
-    for segment in segments:
+    sides = list(cell) if isinstance(cell, (list, tuple)) else [cell] * len(segments)
+    for segment, side in zip(segments, sides, strict=True):
         grid = segment.t * segment.h * segment.w
         index = torch.arange(grid)
         frame, rest = index // (segment.h * segment.w), index % (segment.h * segment.w)
         row, col = rest // segment.w, rest % segment.w
-        span = (1.0, cell * cell) if segment.h == 1 else (cell, cell)  # a flat run groups a^2 tokens
+        span = (1.0, side * side) if segment.h == 1 else (side, side)  # a flat run groups a^2 tokens
         row, col = (row / span[0]).floor().long(), (col / span[1]).floor().long()
         rows, cols = int((segment.h - 1) // span[0]) + 1, int((segment.w - 1) // span[1]) + 1
         ids = offset + (frame * rows + row) * cols + col
@@ -127,10 +130,20 @@ def arrange(adapter: Any, crops: torch.Tensor, inputs: dict, num_visual: list[in
     in VFlowOpt). The grids come from the same layouts (the adapter's segments need ``image_sizes``, which
     ``generate`` does not pass on).
     """
-    model_type = adapter.config.model_type
+    check_images_only(inputs)
+    images = _tiled_images(adapter, crops, inputs) if adapter.tiled_images else _llava_images(adapter, crops)
+    return distribute(images, num_visual, adapter.config.model_type)
+
+
+def check_images_only(inputs: dict) -> None:
+    """ValueError for a call with video (the VFlowOpt map is built for images)."""
     if inputs.get("pixel_values_videos") is not None or (inputs.get("mm_encoder_outputs") or {}).get("video"):
         raise ValueError("vflowopt supports image inputs only (no video); use 'transprune' or 'fastv' for video.")
-    images = _tiled_images(adapter, crops, inputs) if adapter.tiled_images else _llava_images(adapter, crops)
+
+
+def distribute(images: list[tuple[torch.Tensor, list[VisualSegment]]], num_visual: list[int], model_type: str
+               ) -> list[tuple[torch.Tensor, list[VisualSegment]]]:
+    """Per sample ``(values [N0_b], segments)`` from the call's per-image ``(values, grids)`` in batch order."""
     result, queue = [], list(images)
     for count in num_visual:
         values, segments, filled = [], [], 0
@@ -144,7 +157,7 @@ def arrange(adapter: Any, crops: torch.Tensor, inputs: dict, num_visual: list[in
                 f"vflowopt could not align its vision-tower map with the {count} visual tokens of a "
                 f"{model_type} sample ({filled} values); this image layout is not supported."
             )
-        result.append((torch.cat(values) if values else crops.new_zeros(0), segments))
+        result.append((torch.cat(values) if values else torch.zeros(0), segments))
     return result
 
 
@@ -172,7 +185,8 @@ def pixel_statistics(adapter: Any, mean: list[float] | None, std: list[float] | 
     """Processor ``image_mean`` / ``image_std`` used to de-normalise ``pixel_values`` for the entropy term.
 
     Order: the explicit options; the ``preprocessor_config.json`` / ``processor_config.json`` next to the
-    model (``config._name_or_path``); else the tower's usual values (SigLIP 0.5 / 0.5, CLIP OpenAI stats).
+    model (``config._name_or_path``); else the tower's usual values (SigLIP and Qwen3-VL 0.5 / 0.5, CLIP OpenAI
+    stats for CLIP, Qwen2-VL and Qwen2.5-VL).
     """
     if mean is not None and std is not None:
         return list(mean), list(std)
@@ -184,6 +198,6 @@ def pixel_statistics(adapter: Any, mean: list[float] | None, std: list[float] | 
             data = data.get("image_processor", data)
             if "image_mean" in data and "image_std" in data:
                 return list(mean or data["image_mean"]), list(std or data["image_std"])
-    if getattr(adapter.config.vision_config, "model_type", "") == "siglip_vision_model":
+    if getattr(adapter.config.vision_config, "model_type", "") in ("siglip_vision_model", "qwen3_vl_vision"):
         return list(mean or [0.5] * 3), list(std or [0.5] * 3)
     return (list(mean or [0.48145466, 0.4578275, 0.40821073]), list(std or [0.26862954, 0.26130258, 0.27577711]))
