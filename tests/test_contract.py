@@ -46,7 +46,7 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["layer"] = 0
     if variant == "compact":
         options["positions"] = "compact"
-    if model_type == "qwen3_vl" and method in MULTI_STAGE:
+    if model_type == "qwen3_vl" and method in (*MULTI_STAGE, "vflowopt"):
         options["schedule"] = "2:0.6,3:0.4"
     if method == "vflowopt":
         options["recycle"] = False  # the reference gathers tokens; recycling merges them (tested elsewhere)
@@ -59,8 +59,6 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
 
 def _supported(case: str, model_type: str) -> bool:
     method, options = _options(case, model_type)
-    if method == "vflowopt" and model_type.startswith("qwen"):
-        return False
     if options.get("positions") == "compact" and model_type.startswith("qwen"):
         return False
     return not (options.get("layer") == 0 and model_type == "qwen3_vl")

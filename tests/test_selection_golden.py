@@ -41,9 +41,7 @@ def _options(case: str, model_type: str) -> tuple[str, dict] | None:
         if model_type.startswith("qwen"):
             return None
         options["positions"] = "compact"
-    if method == "vflowopt" and model_type.startswith("qwen"):
-        return None
-    if model_type == "qwen3_vl" and method.split("+")[0] in ("pdrop", "ttv", "transprune"):
+    if model_type == "qwen3_vl" and method.split("+")[0] in ("pdrop", "ttv", "transprune", "vflowopt"):
         options["schedule"] = "2:0.6,3:0.4"
     if model_type == "qwen3_vl" and method in PRE_LLM:
         options["layer"] = 2
