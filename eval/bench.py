@@ -272,7 +272,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="questions timed at batch 1 for the prefill / decode columns")
     parser.add_argument("--repeats", type=int_range(1, 1000), default=3, help="timed repeats per question")
     parser.add_argument("--threads", type=int_range(0, 1024), default=1,
-                        help="torch CPU threads (0: torch's default; 1 avoids thread thrashing on shared CPUs)")
+                        help="torch CPU threads (0: as many as torch picks; 1 avoids thread thrashing on shared CPUs)")
     parser.add_argument("--out", default="runs/bench", help="output folder (CSV, Markdown table, plots)")
     parser.add_argument("--speed", action="store_true",
                         help="run the speed benchmark on a random-weight speed-proxy model instead")

@@ -71,10 +71,11 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
     dtype = str(load.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)} in --model_args.")
-    from vtprune.models.loading import check_device, check_model_spec
+    from vtprune.models.loading import check_load
 
-    check_model_spec(_optional_str(load.get("pretrained")))  # a bad folder / offline hub id fails now, in one line
-    check_device(_optional_str(load.get("device")))
+    # A bad folder, an unreachable or offline hub id, a missing GPU or flash-attn fail now, in one line.
+    check_load(_optional_str(load.get("pretrained")), _optional_str(load.get("device")),
+               str(load.get("attn_implementation", "sdpa")), dtype)
     return PluginArgs(
         prune=prune, pretrained=_optional_str(load.get("pretrained")),
         attn_implementation=str(load.get("attn_implementation", "sdpa")), dtype=dtype,

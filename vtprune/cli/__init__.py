@@ -18,6 +18,7 @@ from vtprune.cli.options import (
     debias_source,
     effective_keep,
     effective_stages,
+    keep_label,
     pruning_choice,
 )
 from vtprune.errors import UserError
@@ -128,7 +129,7 @@ def _answer(args: argparse.Namespace, pruning, image, question: str) -> tuple[di
         handle.remove()
     return {"answer": result.answer, "method": handle.scorer.name, "debias": debias_source(handle),
             "keep": effective_keep(handle),
-            "requested_keep": pruning.keep, "stages": effective_stages(handle),
+            "requested_keep": pruning.asked, "options": pruning.options, "stages": effective_stages(handle),
             "visual_tokens": result.visual_tokens,
             "kept_tokens": result.kept_tokens[-1] if result.kept_tokens else result.visual_tokens,
             "kept_per_stage": result.kept_tokens, "stage_layers": result.stage_layers,
@@ -144,8 +145,8 @@ def _print_run(record: dict) -> None:
     print(f"answer    {record['answer']}" + (f"   (expected: {record['expected']})" if "expected" in record else ""))
     stages = ", ".join(f"layer {layer}: {kept}" for layer, kept in zip(record["stage_layers"], record["kept_per_stage"]))
     debias = f", debias: {record['debias']}" if record.get("debias") else ""
-    requested = (f" (asked {record['requested_keep']:g})" if record["requested_keep"] != record["keep"] else "")
-    print(f"method    {record['method']} keep={record['keep']:g}{requested}{debias}")
+    keep = keep_label(record["keep"], record["requested_keep"], record["options"])
+    print(f"method    {record['method']} {keep}{debias}")
     print(f"visual    {record['visual_tokens']} tokens -> {record['kept_tokens']} kept ({stages or 'no stage'})")
     print(f"prefill   {record['prefill_ms']:.2f} ms (median of 3, after warm-up)")
     for note in record.get("notes", []):

@@ -73,8 +73,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or "default" in text.lower() or action.default in (None, False)
-                or action.default is argparse.SUPPRESS or action.nargs == 0):
+        if (not action.option_strings or "default" in text.lower() or action.default is None
+                or action.default is False or action.default is argparse.SUPPRESS or action.nargs == 0):
             return text
         return f"{text} (default: %(default)s)"
 

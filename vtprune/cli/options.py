@@ -56,6 +56,7 @@ class Pruning:
     keep: float
     options: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    asked: float | None = None  # the keep given by --keep or the --config file (None: the default was used)
 
 
 def pruning_choice(args: argparse.Namespace) -> Pruning:
@@ -67,7 +68,7 @@ def pruning_choice(args: argparse.Namespace) -> Pruning:
     method, keep, options = args.method, args.keep, dict(given)
     if getattr(args, "config", None):
         method, keep, options = _merge_config(args, given)
-    choice = Pruning(method or DEFAULT_METHOD, DEFAULT_KEEP if keep is None else keep, options)
+    choice = Pruning(method or DEFAULT_METHOD, DEFAULT_KEEP if keep is None else keep, options, asked=keep)
     _schedule_note(choice, args.keep)
     check_pruning(choice)
     return choice
@@ -146,6 +147,16 @@ def _schedule_note(choice: Pruning, requested: float | None) -> None:
     if stages and stages[-1].keep != requested:
         choice.notes.append(f"--keep {requested:g} is overridden by the schedule's last stage "
                             f"(keep {stages[-1].keep:g} from layer {stages[-1].layer}).")
+
+
+def keep_label(keep: float, asked: float | None, options: dict[str, Any]) -> str:
+    """``keep=0.25``, plus what was asked when the final keep differs (a schedule) and a budget if one rules."""
+    label = f"keep={keep:.3g}"
+    if asked is not None and asked != keep:
+        label += f" (asked {asked:g})"
+    if options.get("budget") is not None:
+        label += f", average budget {float(options['budget']):g} over the layers"
+    return label
 
 
 def final_keep(choice: Pruning) -> float:

@@ -78,7 +78,7 @@ def command_run_video(args: argparse.Namespace) -> int:
                       column_confidence=sel.column_confidence)
     record.update(video=str(args.video), video_backend=clip.backend, video_frames=clip.total_frames,
                   video_fps=clip.fps, frames_sampled=len(clip), question=args.question, method=pruning.method,
-                  keep=final_keep(pruning), requested_keep=pruning.keep, frame_budget=args.frame_budget, model=model_label(args.model),
+                  keep=final_keep(pruning), requested_keep=pruning.asked, options=pruning.options, frame_budget=args.frame_budget, model=model_label(args.model),
                   selector=model_label(args.selector) if args.selector else None, dtype=args.dtype,
                   attn_implementation=args.attn, device=str(next(model.parameters()).device))
     from vtprune.media.images import crop_note
@@ -120,6 +120,8 @@ def _check_prompt(model, processor, clip, args: argparse.Namespace, k: int | Non
 
 
 def _print_video(r: dict) -> None:
+    from vtprune.cli.options import keep_label
+
     print(f"model     {r['model']} ({r['device']}, {r['dtype']}, {r['attn_implementation']})"
           + (f", selector {r['selector']}" if r["selector"] else ""))
     print(f"video     {r['video']}: {r['video_frames']} frames at {r['video_fps']:.2f} fps ({r['video_backend']}), "
@@ -135,7 +137,8 @@ def _print_video(r: dict) -> None:
     times = ", ".join(f"{t:.2f}s" for t in r["times_selected"])
     print(f"selected  frames {r['frames_selected']} at [{times}]")
     debias = f", debias {r['debias']}" if r.get("debias") else ""
-    print(f"pruning   {r['method']} keep={r['keep']:g} ({r['frame_budget']}{debias}): {r['answer_visual_tokens']} visual tokens "
+    keep = keep_label(r["keep"], r["requested_keep"], r["options"])
+    print(f"pruning   {r['method']} {keep} ({r['frame_budget']}{debias}): {r['answer_visual_tokens']} visual tokens "
           f"-> {r['answer_kept_tokens']} kept")
     line = (f"compute   {r['flops_ratio']:.3f}x the all-frames pass in LM FLOPs (probes {r['probe_flops'] / 1e9:.3f} + "
             f"answer {r['answer_flops'] / 1e9:.3f} vs {r['baseline_flops'] / 1e9:.3f} GFLOP)")

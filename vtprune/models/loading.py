@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 
 from vtprune.adapters import ADAPTERS
 from vtprune.errors import UserError
-from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path
+from vtprune.models.embedded import EMBEDDED_MODELS, MODELS_DIR, embedded_model_path
 from vtprune.models.hub import hub_access
 from vtprune.models.tiny import TINY_TYPES, no_video_processor, tiny_model
 
@@ -132,7 +134,7 @@ def check_load(spec: str | None, device: str | None = None, attn_implementation:
     check_attention(attn_implementation, device)
     target = check_model_spec(spec)
     if not target.startswith("tiny:"):
-        check_model_type(model_config(target))
+        check_model_type(model_config(target), spec)
     return target
 
 
@@ -147,12 +149,12 @@ def model_config(target: str) -> Any:
                         f"{_first_line(error)}).") from error
 
 
-def check_model_type(config: Any) -> None:
+def check_model_type(config: Any, spec: str | None = None) -> None:
     """Refuse a model family vtprune has no adapter for (names the supported ``model_type`` values)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
-        raise UserError(f"--model is a {model_type!r} model; vtprune prunes {', '.join(sorted(ADAPTERS))} "
-                        "(see `vtprune info`).")
+        raise UserError(f"--model {spec!r} is a {model_type!r} model; vtprune prunes the vision-language model "
+                        f"types {', '.join(sorted(ADAPTERS))} (see `vtprune info`).")
 
 
 def text_layers(spec: str | None) -> int | None:
@@ -183,14 +185,30 @@ def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str 
 
     local_only = _local_only(target)
     try:
-        model = AutoModelForImageTextToText.from_pretrained(
-            target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device,
-            local_files_only=local_only,
-        ).eval()
+        with _quiet_progress(Path(target).resolve().is_relative_to(MODELS_DIR)):
+            model = AutoModelForImageTextToText.from_pretrained(
+                target, attn_implementation=attn_implementation, dtype=DTYPES[dtype], device_map=device,
+                local_files_only=local_only,
+            ).eval()
     except (OSError, ValueError, KeyError, ImportError) as error:
         raise UserError(f"--model {spec!r} could not be loaded as a vision-language model "
                         f"({type(error).__name__}: {_first_line(error)}).") from error
     return model, load_processor(target, local_files_only=local_only)
+
+
+@contextlib.contextmanager
+def _quiet_progress(quiet: bool) -> Iterator[None]:
+    """No "Loading weights" bar for the shipped models (a 9 MB file loads in milliseconds); restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet and was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _first_line(error: BaseException) -> str:
