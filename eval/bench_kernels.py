@@ -2,7 +2,9 @@
 
 Usage::
 
-    python -m vtprune.eval.bench_kernels [--device cuda|cpu] [--out docs/results/kernels] [--quick]
+    python -m vtprune.eval.bench_kernels [--device cuda|cpu] [--out runs/kernels] [--quick]
+
+The default output is ``runs/kernels``; the committed run is refreshed with ``--out docs/results/kernels``.
 
 Writes ``<out>/bench_kernels_<device>.csv``: one row per (kernel, impl, shape, batch, size, dtype, device) with
 p20/p50/p80 latency in ms over warmed-up runs, the largest deviation from the torch implementation on the same
@@ -243,7 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    p.add_argument("--out", type=Path, default=Path("docs/results/kernels"), help="output folder")
+    p.add_argument("--out", type=Path, default=Path("runs/kernels"),
+                   help="output folder (default: runs/kernels; the committed run lives in docs/results/kernels)")
     p.add_argument("--quick", action="store_true", help="few repeats (CI smoke run)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="full", help="'tiny' = toy shapes for tests")
     p.add_argument(

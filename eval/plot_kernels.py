@@ -2,8 +2,7 @@
 
 Usage::
 
-    python -m vtprune.eval.plot_kernels [--csv docs/results/kernels/bench_kernels_cuda.csv ...]
-                                        [--out docs/results/kernels]
+    python -m vtprune.eval.plot_kernels [--csv runs/kernels/bench_kernels_cuda.csv ...] [--out runs/kernels]
 """
 
 from __future__ import annotations
@@ -72,7 +71,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
     """Render one PNG per kernel found in the CSVs; return their paths."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--csv", type=Path, nargs="+", default=None, help="default: <out>/bench_kernels_*.csv")
-    p.add_argument("--out", type=Path, default=Path("docs/results/kernels"))
+    p.add_argument("--out", type=Path, default=Path("runs/kernels"),
+                   help="folder of the CSVs and the plots (default: runs/kernels)")
     args = p.parse_args(argv)
     paths = args.csv or sorted(args.out.glob("bench_kernels_*.csv"))
     if not paths:
