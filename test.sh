@@ -20,7 +20,8 @@ whole=1
 for arg in "$@"; do case "$arg" in -*) ;; *) whole=0 ;; esac; done
 if [ "${VTPRUNE_SKIP_MIN:-0}" != "1" ] && [ "$whole" = "1" ]; then
   bash scripts/setup_min.sh || exit 1
-  .venv-min/bin/pytest -q tests/test_engine.py tests/test_serving.py tests/test_contract.py tests/test_dispatch.py
+  .venv-min/bin/pytest -q tests/test_engine.py tests/test_serving.py tests/test_contract.py tests/test_dispatch.py \
+    tests/test_followup.py tests/test_prefixkv.py
   exit $?
 fi
 exit 0

@@ -109,15 +109,16 @@ def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int
 
 
 @torch.no_grad()
-def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, suppress: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, suppress: int,
+                        prompt: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding of one sample when layer ``l``'s cache keeps only the visual tokens ``kept[l]`` (KV
     retention, e.g. PrefixKV): no cache, every step recomputed by the unwrapped model, with a hand-built mask
     handed to each decoder layer: prompt queries attend causally to the whole prompt (as at prefill), generated
-    queries at layer ``l`` to the prompt's text, ``kept[l]`` and the tokens generated so far."""
+    queries at layer ``l`` to the prompt's text, ``kept[l]`` and the tokens generated so far. ``prompt``: the
+    length of the prefilled prompt when ``inputs`` holds a longer conversation (a follow-up turn)."""
     lm = _language_model(model)
     ids = inputs["input_ids"]
-    prompt = ids.shape[1]
+    prompt = ids.shape[1] if prompt is None else prompt
     visual = _visual_positions(model, ids)
     allowed_prompt = []
     for layer_kept in kept:
@@ -146,7 +147,7 @@ def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, 
         if "mm_token_type_ids" in inputs:
             given = inputs["mm_token_type_ids"]
             full["mm_token_type_ids"] = torch.cat(
-                [given, torch.zeros(1, length - prompt, dtype=given.dtype, device=given.device)], 1)
+                [given, torch.zeros(1, length - given.shape[1], dtype=given.dtype, device=given.device)], 1)
         try:
             step_logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
                                 **full).logits[0, -1].float()

@@ -25,6 +25,11 @@ from vtprune.methods.prefixkv import (
 from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
+
+
+def _cache(output):
+    """The cache of a generate() output (``cache`` since transformers 5.24, ``past_key_values`` before)."""
+    return getattr(output, "cache", None) or output.past_key_values
 STEPS = 4
 
 
@@ -92,7 +97,7 @@ def _generate(model, inputs):
         out = model.generate(**inputs, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
                              suppress_tokens=list(range(len(SPECIAL_TOKENS))), output_logits=True,
                              return_dict_in_generate=True)
-    return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.logits, dim=1), out.cache
+    return out.sequences[:, inputs["input_ids"].shape[1]:], torch.stack(out.logits, dim=1), _cache(out)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])

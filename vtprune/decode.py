@@ -83,3 +83,28 @@ def _region_update(handle: PruneHandle, call: CallState, region: int, new_tokens
         update["position_embeddings"] = handle.adapter.language_model.rotary_emb(embeddings[0], compact)
         update["position_ids"] = compact
     return update
+
+
+def unseen_tokens(call: CallState, kwargs: dict) -> dict | None:
+    """The forward's inputs cut to the tokens its cache has not seen, when ``generate()`` got them wrong.
+
+    ``generate()`` continuing from a cache (a follow-up turn) feeds the tokens beyond the cache's layer-0
+    length. After a pre-LLM stage or KV retention layer 0 holds fewer entries than the tokens it has seen, so
+    it feeds some seen tokens again; the 2-D mask still spans the whole conversation, which tells the true
+    number of new tokens. Returns None when nothing needs cutting.
+    """
+    mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids")
+    if call.pre_llm_valid is None or ids is None or not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return None
+    given, new = ids.shape[1], mask.shape[1] - call.prompt_length - call.decoded
+    if new <= 0 or given <= new:
+        return None
+    fixed = dict(kwargs)
+    for key in ("input_ids", "mm_token_type_ids", "token_type_ids", "position_ids"):
+        value = kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == given:
+            fixed[key] = value[..., given - new:]
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.shape[1] == given:
+        fixed["inputs_embeds"] = embeds[:, given - new:]
+    return fixed

@@ -179,7 +179,7 @@ class PruneHandle:
                 self._hooks.append(capture.module.register_forward_hook(hook, with_kwargs=True))
 
     # -- whole-model hooks --------------------------------------------------------------------------
-    def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         frame = self.calls.enter()
         pending = self.calls.take_pending()
         if module.training:
@@ -191,7 +191,8 @@ class PruneHandle:
         cache = _cache_of(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
             frame.call = self._continue(cache, kwargs)
-            return
+            fixed = decode.unseen_tokens(frame.call, kwargs) if frame.call is not None else None
+            return None if fixed is None else (args, fixed)
         visual = self.adapter.visual_mask(input_ids)
         counts = visual.sum(dim=1).tolist()
         if not any(counts):

@@ -1,0 +1,87 @@
+"""Follow-up turns on a pruned cache (a second question about the same image, no new image): the turn continues
+from turn 1's cache with correct masks and positions, equal to the independent reference (LLaVA and Qwen, a
+left-padded batch of 2; in-LM stages, a pre-LLM stage and KV retention)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from independent_reference import reference_decode, reference_decode_kv
+
+import vtprune
+from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
+
+torch.set_num_threads(1)
+
+
+def _cache(output):
+    """The cache of a generate() output (``cache`` since transformers 5.24, ``past_key_values`` before)."""
+    return getattr(output, "cache", None) or output.past_key_values
+SUPPRESS = list(range(len(SPECIAL_TOKENS)))
+TURN1, TURN2 = 3, 3
+
+
+@functools.cache
+def _model(model_type: str):
+    return tiny_model(model_type, "sdpa", image_size=112)
+
+
+def _samples(model_type: str) -> list:
+    if model_type.startswith("qwen"):
+        return [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
+    return [("what color is the circle?", [random_image(120, 90, 1)]),
+            ("how many squares are there?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
+
+
+def _extend(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.cat([tensor, torch.zeros(tensor.shape[0], width - tensor.shape[1], dtype=tensor.dtype)], 1)
+
+
+@pytest.mark.parametrize(("model_type", "method", "options"), [
+    ("llava", "pdrop", {}), ("qwen2_5_vl", "fastv", {}), ("llava", "random", {"layer": 0}),
+    ("qwen2_vl", "random", {"layer": 0}), ("llava", "prefixkv", {}), ("qwen2_5_vl", "prefixkv", {}),
+])
+def test_followup_turn_equals_the_reference(model_type, method, options):
+    model, processor = _model(model_type)
+    samples = _samples(model_type)
+    inputs = tiny_inputs(processor, model_type, samples)
+    follow = processor.tokenizer([" and the square?"] * 2, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad(), vtprune.apply(model, method, keep=0.4, **options) as handle:
+        turn1 = model.generate(**inputs, max_new_tokens=TURN1, min_new_tokens=TURN1, do_sample=False,
+                               suppress_tokens=SUPPRESS, return_dict_in_generate=True)
+        kept, stages = handle.last_stats.kept_indices, [s.layer for s in handle.stages]
+        ids = torch.cat([turn1.sequences, follow["input_ids"]], 1)
+        mask = torch.cat([inputs["attention_mask"], torch.ones(2, TURN1, dtype=torch.long), follow["attention_mask"]], 1)
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+        if "mm_token_type_ids" in extra:
+            extra["mm_token_type_ids"] = _extend(extra["mm_token_type_ids"], ids.shape[1])
+        turn2 = model.generate(input_ids=ids, attention_mask=mask, past_key_values=_cache(turn1), do_sample=False,
+                               max_new_tokens=TURN2, min_new_tokens=TURN2, suppress_tokens=SUPPRESS,
+                               output_logits=True, return_dict_in_generate=True, **extra)
+    logits = torch.stack(turn2.logits, 1)
+    for row, sample in enumerate(samples):
+        alone = tiny_inputs(processor, model_type, [sample])
+        valid = mask[row].bool()
+        conversation = {**alone, "input_ids": ids[row:row + 1, valid],
+                        "attention_mask": torch.ones(1, int(valid.sum()), dtype=torch.long)}
+        if "mm_token_type_ids" in alone:
+            conversation["mm_token_type_ids"] = _extend(alone["mm_token_type_ids"], conversation["input_ids"].shape[1])
+        kept_row = [stage[row] for stage in kept]
+        if method == "prefixkv":  # the turn-1 prompt was prefilled whole; later tokens see each layer's kept keys
+            tokens, ref = reference_decode_kv(model, conversation, kept_row, TURN2, len(SPECIAL_TOKENS),
+                                              prompt=alone["input_ids"].shape[1])
+        else:
+            tokens, ref = reference_decode(model, conversation, stages, kept_row, TURN2, len(SPECIAL_TOKENS))
+        assert torch.equal(tokens, turn2.sequences[row, ids.shape[1]:])
+        torch.testing.assert_close(ref, logits[row], atol=1e-4, rtol=0)
+
+
+def test_a_followup_with_a_new_image_is_refused():
+    model, processor = _model("llava")
+    inputs = tiny_inputs(processor, "llava", _samples("llava")[:1])
+    with torch.no_grad(), vtprune.apply(model, "fastv", keep=0.5):
+        out = model.generate(**inputs, max_new_tokens=2, return_dict_in_generate=True)
+        with pytest.raises(RuntimeError, match="adds images to a non-empty cache"):
+            model(**inputs, past_key_values=_cache(out))
