@@ -6,7 +6,9 @@ For every multiple-choice question of the first ``--clips`` clips, three frame s
 * ``uniform``: ``M`` frames sampled uniformly over the clip, ``M`` = the ``M_eff`` GridProbe chose;
 * ``gridprobe``: GridProbe's selected frames (arXiv:2605.10762), its ``2K`` probes counted in the cost;
 
-and each token method x keep prunes the answer pass. One CSV row per model x selection x method x keep
+and each token method x keep prunes the answer pass. A method is a name (``fastv``: the global budget),
+``NAME@per_frame`` (every frame keeps its own share) or ``temporal@NAME`` (temporal redundancy pre-LLM, then
+``NAME`` per frame, :mod:`vtprune.methods.temporal`). One CSV row per model x selection x method x keep
 with accuracy, evidence-frame recall, frames used, LM prefill FLOPs (probe + answer) and their ratio to the
 unpruned all-frames pass, measured time and the run conditions; then a Markdown table and a PNG of accuracy
 versus FLOPs ratio (``vtprune.eval.bench_video`` writes them; ``vtprune.eval.bench`` dispatches here).
@@ -28,7 +30,7 @@ from vtprune.eval.bench_defaults import DEFAULT_KEEPS as IMAGE_KEEPS
 from vtprune.eval.bench_defaults import DEFAULT_METHODS as IMAGE_METHODS
 from vtprune.eval.bench_report import dirty
 
-DEFAULT_METHODS = "none,fastv"
+DEFAULT_METHODS = "none,fastv,temporal"
 DEFAULT_KEEPS = "1,0.25"
 DEFAULT_OUT = "runs/bench_video"
 SELECTIONS = ("all", "uniform", "gridprobe")
@@ -143,6 +145,19 @@ def choose_k(model: Any, processor: Any, question: VideoQuestion, route: str, re
         f"frames fit; use a smaller --k (K^2 frames answer the all-frames pass).")
 
 
+def method_spec(method: str) -> tuple[str, str, dict]:
+    """``(method, frame_budget, options)`` of a benchmark method name: ``fastv``, ``fastv@per_frame`` (each frame
+    its own share) or ``temporal@fastv`` (temporal pre-LLM, then FastV per frame)."""
+    base, _, variant = method.partition("@")
+    if not variant:
+        return base, "global", {}
+    if variant == "per_frame":
+        return base, "per_frame", {}
+    if base == "temporal":
+        return base, "global", {"then": variant}
+    raise ValueError(f"method {method!r}: use NAME, NAME@per_frame or temporal@NAME (e.g. temporal@fastv).")
+
+
 def answer_pass(model: Any, processor: Any, frames: list, question: VideoQuestion, route: str, method: str,
                 keep: float, mode: str) -> Answer:
     """One answer pass over ``frames`` pruned by ``method`` at ``keep``; letter from generation or letter scores."""
@@ -150,7 +165,8 @@ def answer_pass(model: Any, processor: Any, frames: list, question: VideoQuestio
     from vtprune.gridprobe.run import forward_pass, lm_shape, pass_flops, question_prompt, wrap_frames
 
     prompt, letters, _ = question_prompt(question.text, None)
-    handle = None if method == "none" else wrap_frames(model, method, keep)
+    name, frame_budget, options = method_spec(method)
+    handle = None if method == "none" else wrap_frames(model, name, keep, frame_budget, **options)
     try:
         generate = MAX_NEW_TOKENS if mode == "generate" else 0
         out = forward_pass(model, processor, [frames], [prompt], route, handle=handle, max_new_tokens=generate)
@@ -303,10 +319,12 @@ def resolve_defaults(args: argparse.Namespace) -> tuple[list[str], list[float], 
     keeps = [float(k) for k in (DEFAULT_KEEPS if args.keep == IMAGE_KEEPS else args.keep).split(",") if k]
     known = set(list_methods())
     for method in methods:
-        if method.split("+")[0] in NEEDS_EVIDENCE:
-            raise ValueError(f"method {method!r} needs per-token evidence, which the video benchmark does not set.")
-        if method.split("+")[0] not in known:
-            raise ValueError(f"unknown method {method!r} (known: {', '.join(sorted(known))}).")
+        name, _, options = method_spec(method)
+        for part in (name, *options.values()):
+            if part.split("+")[0] in NEEDS_EVIDENCE:
+                raise ValueError(f"method {method!r} needs per-token evidence, which the video benchmark does not set.")
+            if part.split("+")[0] not in known:
+                raise ValueError(f"unknown method {part!r} in {method!r} (known: {', '.join(sorted(known))}).")
     if any(not 0 < k <= 1 for k in keeps):
         raise ValueError(f"keep must be in (0, 1], got {keeps}.")
     out = Path(DEFAULT_OUT if args.out == "runs/bench" else args.out)

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 import torch
-from vtprune.eval.bench_video import answer_letter, choose_k, load_questions, question_options
+from vtprune.eval.bench_video import answer_letter, choose_k, load_questions, method_spec, question_options
 
 from vtprune.cli import main
 
@@ -67,3 +67,18 @@ def test_bench_video_writes_a_well_formed_csv_table_and_plot(tmp_path, capsys):
     assert probe["mean_frames"] == by_key[("uniform", "none", 1.0)]["mean_frames"] == probe["mean_m_eff"]
     assert (tmp_path / "bench_video.md").read_text().startswith("| selection | method |")
     assert (tmp_path / "video_accuracy_vs_flops.png").stat().st_size > 1000
+
+
+def test_bench_video_runs_temporal_and_per_frame_variants(tmp_path, capsys):
+    assert method_spec("fastv") == ("fastv", "global", {})
+    assert method_spec("pdrop@per_frame") == ("pdrop", "per_frame", {})
+    assert method_spec("temporal@fastv") == ("temporal", "global", {"then": "fastv"})
+    with pytest.raises(ValueError, match="temporal@NAME"):
+        method_spec("fastv@pdrop")
+    code = main(["bench", "--video", "--model", "tiny:qwen2_vl", "--device", "cpu", "--clips", "1", "--k", "2",
+                 "--methods", "temporal,fastv@per_frame,temporal@fastv", "--keep", "0.5", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr().err
+    with (tmp_path / "bench_video.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == {"temporal", "fastv@per_frame", "temporal@fastv"}
+    assert all(float(r["flops_ratio"]) < 1.0 for r in rows if r["selection"] != "gridprobe")

@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 STEPS = 4
 MULTI_STAGE = ("pdrop", "ttv", "transprune")
 PRE_LLM = ("visionzip", "divprune", "temporal")  # default stage at layer 0; Qwen3-VL (DeepStack) prunes at 2
-CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact"]
+CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact", "temporal@fastv"]
 
 
 @functools.cache
@@ -54,6 +54,11 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["contextual"] = 0.0  # the reference gathers tokens; the contextual merge is tested elsewhere
     if model_type == "qwen3_vl" and method in PRE_LLM:
         options["layer"] = 2
+    if variant == "fastv":  # temporal pre-LLM, then FastV per frame at layer 2
+        options["then"] = "fastv"
+        options.pop("layer", None)
+        if model_type == "qwen3_vl":
+            options["schedule"] = "2:0.6,3:0.4"
     return method, options
 
 

@@ -185,3 +185,11 @@ def test_bad_options_and_unsupported_layers_are_refused_at_wrap_time():
             vtprune.wrap(qwen3, method, keep=0.25)
     with pytest.raises(ValueError, match="cannot prune before the first decoder layer"):
         vtprune.wrap(llava, "dart", keep=0.25, layer=0)
+
+
+def test_visionzip_query_option():
+    llava, _ = _model("llava")
+    with pytest.raises(ValueError, match="query='cls'.*has no CLS token"):
+        vtprune.wrap(_model("qwen2_vl")[0], "visionzip", keep=0.25, query="cls")
+    with pytest.raises(ValueError, match="query='first'"):
+        vtprune.wrap(llava, "visionzip", keep=0.25, query="first")

@@ -13,7 +13,9 @@ one temporal patch, two video frames on Qwen2/2.5-VL); frames passed as images a
 segment, each compared with the latest earlier image segment of the same grid (LLaVA-NeXT's base view with
 base view, tile grid with tile grid). A sample with no frame to compare (a single image, or images of
 different grids) is refused: the method needs video. Pre-LLM (stage at layer 0); Qwen3-VL prunes at layer
-``n`` on the embeddings that entered the LLM. Composes with GridProbe (frames first, then this).
+``n`` on the embeddings that entered the LLM. Composes with GridProbe (frames first, then this), and with
+any token method after it: ``then="fastv"`` keeps ``retain`` of the tokens pre-LLM by temporal redundancy,
+then the token method prunes to ``keep`` at its own layers, ranking within each frame (``per_frame``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch
 from vtprune.adapters.base import VisualSegment
 from vtprune.config import Stage
 from vtprune.methods import lm_inputs
-from vtprune.methods.base import Capture, Scorer
-from vtprune.methods.registry import register_method
+from vtprune.methods.base import Capture, Scorer, merge_step
+from vtprune.methods.per_frame import PerFrame
+from vtprune.methods.registry import register_method, resolve
 from vtprune.scoring import ScoreContext
 
 FIRST = 3.0  # above any dissimilarity (1 - cos <= 2): first frames are kept first
@@ -82,12 +85,53 @@ class Temporal(Scorer):
     """Drop video tokens nearly unchanged since the previous frame, first frame whole, pre-LLM (EVS-style)."""
 
     name: ClassVar[str] = "temporal"
+    then: str | None = None
+    then_options: dict[str, Any] | None = None
+    retain: float = 0.5
+    frame_budget: str = "per_frame"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < float(self.retain) <= 1.0:
+            raise ValueError(f"retain={self.retain!r} (the fraction the temporal stage keeps before then=) "
+                             "must be in (0, 1].")
+        if self.frame_budget not in ("per_frame", "global"):
+            raise ValueError(f"frame_budget={self.frame_budget!r}: use 'per_frame' or 'global'.")
+        if self.then is not None:
+            if not isinstance(self.then, str) or self.then.split("+")[0] in ("temporal", "per_frame"):
+                raise ValueError(f"then={self.then!r} must name a token method such as 'fastv' or 'pdrop'.")
+            inner = resolve(self.then, dict(self.then_options or {}))
+            if merge_step(inner) is not None or any(s.layer == 0 for s in inner.schedule(32, 0.25)):
+                raise ValueError(f"then={self.then!r} must be a method that scores inside the LLM ('fastv', "
+                                 "'pdrop', 'dart', ...); a pre-LLM or merging method cannot follow temporal.")
+            inner = PerFrame(inner=inner) if self.frame_budget == "per_frame" else inner
+            object.__setattr__(self, "_then", inner)
+
+    @property
+    def follower(self) -> Scorer | None:
+        """The token method run after the temporal stage (``then=``), or None."""
+        return getattr(self, "_then", None)
+
+    @property
+    def requires(self) -> frozenset[str]:  # type: ignore[override]
+        # The first stage (pre-LLM) is temporal's own; what the follower needs at its layers is offered by
+        # every adapter ("attention", "llm_layers"), so it is not held against the pre-LLM stage.
+        return frozenset()
+
+    @property
+    def score_offset(self) -> int:  # type: ignore[override]
+        return self.follower.score_offset if self.follower is not None else 0
 
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        return (Stage(0, keep),)
+        if self.follower is None:
+            return (Stage(0, keep),)
+        first = max(float(self.retain), keep)
+        later = [Stage(s.layer, min(s.keep, first)) for s in self.follower.schedule(num_layers, keep) if s.layer > 0]
+        return (Stage(0, first), *later)
 
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
-        return (lm_inputs.lm_input_capture(adapter),) if stages and stages[0].layer > 0 else ()
+        own = (lm_inputs.lm_input_capture(adapter),) if stages and stages[0].layer > 0 else ()
+        follower = self.follower.captures(adapter, stages[1:]) if self.follower is not None else ()
+        return (*own, *follower)
 
     def table(self, ctx: ScoreContext) -> torch.Tensor:
         """``[B, N0max + 1]`` score of every original visual token by ordinal (computed once per call)."""
@@ -112,6 +156,8 @@ class Temporal(Scorer):
         return table
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.stage_index > 0 and self.follower is not None:
+            return self.follower.score(ctx)
         table = self.table(ctx).to(ctx.valid.device)
         values = table.gather(1, ctx.ordinal.clamp(min=0))
         return torch.where(ctx.ordinal >= 0, values, torch.zeros_like(values))

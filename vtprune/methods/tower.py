@@ -47,8 +47,15 @@ def default_layer(adapter: Any) -> int:
     return full[-1]
 
 
-def captures(adapter: Any, key: str, layer: int | None, name: str) -> tuple[Capture, ...]:
-    """Hooks storing the maps of ``layer`` (None: :func:`default_layer`) under ``state[key]`` at every call."""
+def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = "auto") -> tuple[Capture, ...]:
+    """Hooks storing the maps of ``layer`` (None: :func:`default_layer`) under ``state[key]`` at every call.
+
+    ``query``: ``"cls"`` (the CLS row; CLIP only), ``"mean"`` (all queries) or ``"auto"`` (CLS where the tower
+    has one)."""
+    has_cls = not is_qwen(adapter) and getattr(adapter.config.vision_config, "model_type", "") != "siglip_vision_model"
+    if query not in ("auto", "cls", "mean") or (query == "cls" and not has_cls):
+        raise ValueError(f"query={query!r}: use 'auto', 'mean' or, on a tower with a CLS token (CLIP), 'cls'; "
+                         f"{adapter.config.model_type}'s tower {'has' if has_cls else 'has no'} CLS token.")
     depth = vit_depth(adapter)
     index = default_layer(adapter) if layer is None else int(layer)
     if not 0 <= index < depth:
@@ -60,7 +67,8 @@ def captures(adapter: Any, key: str, layer: int | None, name: str) -> tuple[Capt
                              f"needs a full-attention block: one of {adapter.vit_full_attention_blocks()}.")
         return (Capture(adapter.vision_tower, _grab_grid(key), before=True, outside_forward=True),
                 Capture(adapter.vit_blocks[index], _grab_qwen(adapter, key), before=True, outside_forward=True))
-    return (Capture(vit.encoder_layers(adapter)[index], _grab_clip(adapter, key), before=True, outside_forward=True),)
+    cls = has_cls and query != "mean"
+    return (Capture(vit.encoder_layers(adapter)[index], _grab_clip(adapter, key, cls), before=True, outside_forward=True),)
 
 
 # -- pure functions ----------------------------------------------------------------------------------------
@@ -90,14 +98,12 @@ def merge_units(values: torch.Tensor, keys: torch.Tensor, unit: int, order: torc
 
 
 # -- capture hooks -----------------------------------------------------------------------------------------
-def _grab_clip(adapter: Any, key: str):
-    has_cls = getattr(adapter.config.vision_config, "model_type", "") != "siglip_vision_model"
-
+def _grab_clip(adapter: Any, key: str, cls: bool):
     def grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         with torch.no_grad():
             attention = vit.vit_attention(module, hidden)
-            values = attention[:, 0, :] if has_cls else attention.mean(dim=1)
+            values = attention[:, 0, :] if cls else attention.mean(dim=1)
             heads = int(module.self_attn.num_heads)
             keys = module.self_attn.k_proj(module.layer_norm1(hidden))
             keys = keys.view(*keys.shape[:2], heads, -1).float().mean(dim=2)

@@ -12,6 +12,8 @@ contextual tokens merged from the rest, before the language model.
    other remainder token joins the target whose key is most cosine-similar, and each target becomes the plain
    mean of its group (:func:`vtprune.kernels.merge_tokens`), written in the target's slot.
 
+``query="mean"`` ranks by the attention received from all queries on a CLIP tower too (for towers whose
+CLS token the projector never used, e.g. one trained from scratch with the ``default`` feature strategy).
 Runs pre-LLM (stage at layer 0) on the LLM-input embeddings; Qwen3-VL (DeepStack) prunes at layer ``n``.
 ``contextual=0`` keeps only dominant tokens (no merge). See ``docs/methods.md`` for where vtprune and the
 authors' code differ (merge space, CLS, positions).
@@ -73,6 +75,7 @@ class VisionZip(Scorer):
     requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
     contextual: float = PAPER_CONTEXTUAL
     vit_layer: int | None = None
+    query: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.contextual) < 1.0:
@@ -84,7 +87,7 @@ class VisionZip(Scorer):
 
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
         extra = (lm_inputs.lm_input_capture(adapter),) if any(s.layer > 0 for s in stages) else ()
-        return (*tower.captures(adapter, KEY, self.vit_layer, self.name), *extra)
+        return (*tower.captures(adapter, KEY, self.vit_layer, self.name, self.query), *extra)
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         values, _ = tower.token_maps(ctx, KEY, self.name)
