@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 STEPS = 4
 MULTI_STAGE = ("pdrop", "ttv", "transprune")
 PRE_LLM = ("visionzip", "divprune", "temporal")  # default stage at layer 0; Qwen3-VL (DeepStack) prunes at 2
-CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact", "temporal@fastv"]
+CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact", "temporal@fastv", "pdrop@release", "fastv+debias@release"]
 
 
 @functools.cache
@@ -46,6 +46,8 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["layer"] = 0
     if variant == "compact":
         options["positions"] = "compact"
+    if variant == "release":
+        options["parity"] = "release"
     if model_type == "qwen3_vl" and method in (*MULTI_STAGE, "vflowopt"):
         options["schedule"] = "2:0.6,3:0.4"
     if method == "vflowopt":
@@ -66,6 +68,8 @@ def _supported(case: str, model_type: str) -> bool:
     method, options = _options(case, model_type)
     if options.get("positions") == "compact" and model_type.startswith("qwen"):
         return False
+    if options.get("parity") == "release" and model_type.startswith("qwen") and method == "pdrop":
+        return False  # the release compacts 1-D positions; refused on M-RoPE
     return not (options.get("layer") == 0 and model_type == "qwen3_vl")
 
 
@@ -120,7 +124,7 @@ def test_contract(case, model_type, impl):
         else:
             ref_tokens, ref_logits = reference_decode(model, alone[row], stages, kept, STEPS,
                                                       suppress=len(SPECIAL_TOKENS),
-                                                      compact=options.get("positions") == "compact")
+                                                      compact=handle.config.positions == "compact")
         assert torch.equal(ref_tokens, tokens[row])
         torch.testing.assert_close(ref_logits, logits[row], atol=1e-4, rtol=0)
 

@@ -21,7 +21,8 @@ from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_mode
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "selection_golden.json"
 CASES = ["fastv", "fastv+debias", "pdrop", "pdrop+debias", "ttv", "transprune", "transprune+debias", "vflowopt",
-         "random", "random@0", "oracle", "per_frame", "pdrop@compact", "visionzip", "divprune", "dart", "temporal"]
+         "random", "random@0", "oracle", "per_frame", "pdrop@compact", "visionzip", "divprune", "dart", "temporal",
+         "fastv+debias@release", "pdrop@release", "pdrop+debias@release", "transprune@release"]
 PRE_LLM = ("visionzip", "divprune", "temporal")  # stage at layer 0; Qwen3-VL (DeepStack) prunes at layer 2
 
 
@@ -41,6 +42,10 @@ def _options(case: str, model_type: str) -> tuple[str, dict] | None:
         if model_type.startswith("qwen"):
             return None
         options["positions"] = "compact"
+    if variant == "release":  # parity="release": compacted positions are refused on M-RoPE (FastV keeps them)
+        if model_type.startswith("qwen") and not method.startswith("fastv"):
+            return None
+        options["parity"] = "release"
     if model_type == "qwen3_vl" and method.split("+")[0] in ("pdrop", "ttv", "transprune", "vflowopt"):
         options["schedule"] = "2:0.6,3:0.4"
     if model_type == "qwen3_vl" and method in PRE_LLM:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +29,7 @@ def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: f
         (:class:`vtprune.Scorer`, e.g. your own) or a :class:`PruneConfig`.
     keep: final fraction of visual tokens kept, in ``(0, 1]``.
     options: :class:`PruneConfig` fields (``schedule="2:0.5,8:0.25"``, ``layer=2``, ``positions``,
-        ``debias``, ``seed``) and method options (e.g. ``alpha=0.5``).
+        ``debias``, ``seed``, ``parity="release"``) and method options (e.g. ``alpha=0.5``).
     record_indices: how many of the most recent calls keep their ``kept_indices`` in ``handle.stats``
         (counts are kept for the last 1,000 calls; older kept indices are dropped to bound memory).
 
@@ -60,7 +61,10 @@ def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: f
     if scorer is not None and config.options:
         raise ValueError(f"options {sorted(config.options)} are for named methods; set them on the scorer instance.")
     scorer = resolve(scorer or config.method, config.options, debias=config.debias, seed=config.seed, model=model)
-    handle = PruneHandle(model, adapter, make_plan(config, scorer, adapter), config, record_indices=record_indices)
+    plan = make_plan(config, scorer, adapter)
+    if plan.positions != config.positions:  # parity="release": the release's position policy
+        config = dataclasses.replace(config, positions=plan.positions)
+    handle = PruneHandle(model, adapter, plan, config, record_indices=record_indices)
     model._vtprune_handle = handle
     return handle
 
@@ -76,7 +80,7 @@ def apply(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0
         handle.remove()
 
 
-_CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
+_CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed", "parity")
 
 
 def _config_from(method: str, keep: float, options: dict[str, Any]) -> PruneConfig:

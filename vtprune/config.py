@@ -7,7 +7,9 @@ Vocabulary used everywhere in vtprune:
   ``0 .. layer-1`` see every visual token and layers ``>= layer`` see ``keep`` of them. ``layer=0`` is the
   pre-LLM stage (after the projector / patch merger, before the first decoder layer).
 * The number of visual tokens kept from ``n`` is :func:`keep_count` ``= max(1, floor(keep * n + 0.5))``
-  (round half up, at least one token), the single rounding rule of the package.
+  (round half up, at least one token), the single rounding rule of the package. ``parity="release"``
+  swaps in a method's released rule (:func:`truncated_count` ``= int(n * keep)`` for PyramidDrop and
+  TransPrune), chosen once by the plan (:meth:`vtprune.plan.Plan.kept_counts`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def keep_count(keep: float, n: int) -> int:
     if n <= 0:
         return 0
     return int(min(n, max(1, math.floor(keep * n + 0.5))))
+
+
+def truncated_count(keep: float, n: int) -> int:
+    """``int(n * keep)`` (truncation, as PyramidDrop's and TransPrune's releases count), at least 1, at most n."""
+    if n <= 0:
+        return 0
+    return int(min(n, max(1, int(n * keep))))
 
 
 def parse_schedule(schedule: str | list | tuple | None) -> tuple[Stage, ...] | None:
@@ -113,6 +122,8 @@ class PruneConfig:
         for this model depth, ending at ``keep``.
     layer: optional single pruning layer, shorthand for ``schedule=f"{layer}:{keep}"``.
     positions: ``"original"`` (kept tokens keep their position ids; default) or ``"compact"``.
+    parity: ``"default"`` (vtprune's rules) or ``"release"``: the method's released count rounding, position
+        policy and debiasing patch, for token-for-token reproduction (:mod:`vtprune.methods.release`).
     debias: ``False``, ``True`` (the model's calibration or the default trend) or a calibration file path.
     seed: seed of the ``random`` method.
     options: method-specific options (e.g. ``{"alpha": 0.5}``).
@@ -126,6 +137,7 @@ class PruneConfig:
     debias: bool | str = False
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    parity: str = "default"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -135,6 +147,9 @@ class PruneConfig:
         self.keep = check_keep(self.keep)
         if self.positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {self.positions!r}.")
+        if self.parity not in ("default", "release"):
+            raise ValueError(f"parity must be 'default' (vtprune's rules) or 'release' (the method's released code), "
+                             f"got {self.parity!r}.")
         if self.layer is not None and self.schedule is not None:
             raise ValueError("give either layer=K or schedule='K:KEEP,...', not both.")
         self.stages = parse_schedule(self.schedule)

@@ -1,8 +1,9 @@
 """The frozen plan of a wrapped model: the scorer and its stages, checked once at wrap time.
 
 ``keep`` flows one way: :class:`~vtprune.config.PruneConfig` -> :func:`make_plan` (the stages) ->
-:meth:`Plan.kept_counts` (per stage and sample, the one rounding rule :func:`~vtprune.config.keep_count`) ->
-the engine (one host-to-device copy per call) -> ``segmented_topk`` -> the layout.
+:meth:`Plan.kept_counts` (per stage and sample, the one rounding rule :func:`~vtprune.config.keep_count`, or
+under ``parity="release"`` the method's released rule) -> the engine (one host-to-device copy per call) ->
+``segmented_topk`` -> the layout.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vtprune.adapters.base import Adapter
-from vtprune.config import PruneConfig, Stage, keep_count, validate_stages
+from vtprune.config import PruneConfig, Stage, keep_count, truncated_count, validate_stages
+from vtprune.methods import release
 from vtprune.methods.base import Scorer
 
 PRE_LLM_BLOCKERS = frozenset({"attention", "llm_layers"})
@@ -23,10 +25,13 @@ class Plan:
     scorer: Scorer
     stages: tuple[Stage, ...]
     positions: str = "original"
+    counting: str = "round"
 
     def kept_counts(self, visual_counts: list[int]) -> list[list[int]]:
-        """``[stage][sample]`` visual tokens kept: ``keep_count(stage.keep, n)`` of each sample's ``n``."""
-        return [[keep_count(stage.keep, n) for n in visual_counts] for stage in self.stages]
+        """``[stage][sample]`` visual tokens kept of each sample's ``n``: ``keep_count(stage.keep, n)``
+        (``counting="round"``) or ``truncated_count`` (``"truncate"``, a release's ``int(n * keep)``)."""
+        count = truncated_count if self.counting == "truncate" else keep_count
+        return [[count(stage.keep, n) for n in visual_counts] for stage in self.stages]
 
     @property
     def llm_stages(self) -> tuple[Stage, ...]:
@@ -49,15 +54,19 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             f"method {scorer.name!r} needs {', '.join(missing)}, which {adapter.config.model_type} does not offer "
             f"(it offers {', '.join(sorted(adapter.capabilities))}); use a method such as 'fastv' or 'transprune'."
         )
+    positions, counting = config.positions, "round"
+    if getattr(config, "parity", "default") == "release":  # the method's released count, positions, debias
+        scorer, rule = release.for_release(scorer, adapter, config.positions)
+        positions, counting = rule.positions, rule.count
     stages = config.stages if config.stages is not None else scorer.schedule(adapter.num_layers, config.keep)
     if stages:
         check_stages(tuple(stages), adapter, scorer, config)
-    if config.positions == "compact" and "compact_positions" not in adapter.capabilities:
+    if positions == "compact" and "compact_positions" not in adapter.capabilities:
         raise ValueError(
             f"positions='compact' is not supported for {adapter.config.model_type} (3-D M-RoPE positions); "
             "use positions='original'."
         )
-    return Plan(scorer=scorer, stages=tuple(stages), positions=config.positions)
+    return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting)
 
 
 def check_stages(stages: tuple[Stage, ...], adapter: Adapter, scorer: Scorer, config: PruneConfig) -> None:

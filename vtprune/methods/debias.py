@@ -16,6 +16,12 @@ TransPrune's IGA term)::
   FastV's value; PyramidDrop's release used 0.01). The fraction comes from
   :meth:`vtprune.adapters.Adapter.padding_fraction`. Masked tokens score 0 (not -inf) and the kept count
   is unchanged (FastV's patch lowers it instead).
+
+Defaults and the releases: vtprune debiases every stage with ``sigma = 1.9`` and ``tau = 0.5`` unless a
+``vtprune calibrate`` file (the recommended path) says otherwise. The released patches differ per host and are
+an option, ``parity="release"`` (:mod:`vtprune.methods.release`, :data:`FASTV_RELEASE`, :data:`PDROP_RELEASE`):
+FastV's weight is the reciprocal cubic ``1 / (1 + 1.7368u - 4.8432u^2 + 4.9097u^3)`` (``u = i / 576``, spec 2.2)
+and its kept count drops to the unpadded tokens; PyramidDrop debiases its first stage only, ``tau = 0.01``.
 """
 
 from __future__ import annotations
@@ -110,18 +116,30 @@ def binned_curve(x: torch.Tensor, a: torch.Tensor, bins: int) -> tuple[list[floa
 
 
 # -- the debiaser --------------------------------------------------------------------------------------------
+def polynomial_trend(x: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
+    """``f(x) = sum_i c_i x^i`` elementwise (fp32); coefficients ``c_0, c_1, ...``."""
+    total = torch.zeros_like(x, dtype=torch.float32)
+    for coefficient in reversed(coefficients):  # Horner
+        total = total * x.float() + coefficient
+    return total
+
+
 @dataclass
 class Trend:
-    """The positional trend of one scoring layer: exponential (``sigma``, ``mu``) or a table (``xs``, ``ys``)."""
+    """The positional trend of one scoring layer: exponential (``sigma``, ``mu``), a table (``xs``, ``ys``) or a
+    polynomial (``poly``: ``c_0, c_1, ...``; FastV's released cubic)."""
 
     sigma: float = DEFAULT_SIGMA
     mu: float = 1.0
     xs: list[float] | None = None
     ys: list[float] | None = None
+    poly: list[float] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.xs:
             return table_trend(x, self.xs, self.ys).clamp_min(1e-12)
+        if self.poly:
+            return polynomial_trend(x, self.poly).clamp_min(1e-12)
         return exponential_trend(x, self.sigma, self.mu)
 
 
@@ -222,17 +240,69 @@ class Debiased(Wrapper):
 
     FastV and PyramidDrop score with attention only; TransPrune's TTV term is untouched and its IGA term is
     debiased, as in the paper. ``option`` is what the user passed (``True`` or a calibration file).
+    ``stages``: indices of the plan's stages that are debiased (None: all; PyramidDrop's release: ``(0,)``).
     """
 
     debiaser: Debiaser = field(default_factory=Debiaser)
     option: bool | str = True
+    stages: tuple[int, ...] | None = None
 
     @property
     def name(self) -> str:  # type: ignore[override]
         return f"{self.inner.name}+debias"
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if self.stages is not None and ctx.stage_index not in self.stages:
+            return self.inner.score(ctx)
         return self.inner.score(dataclasses.replace(ctx, attention_filter=self.filter))
 
     def filter(self, ctx: ScoreContext, scores: torch.Tensor) -> torch.Tensor:
         return debias_scores(self.debiaser, ctx, scores)
+
+
+# -- the released patches (``parity="release"``) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class ReleaseDebias:
+    """A host's released debiasing patch: the trend used for ``debias=True``, ``tau``, which stages, and
+    whether the kept count drops to the tokens the padding mask lets through."""
+
+    trend: Trend
+    tau: float
+    first_stage_only: bool = False
+    lower_count: bool = False
+
+
+#: FastV's patch: ``spline_weight`` = ``1 / (1 + 1.7368u - 4.8432u^2 + 4.9097u^3)`` (spec 2.2), ``tau = 0.5``,
+#: ``k = min(R, unpadded tokens)``.
+FASTV_RELEASE = ReleaseDebias(Trend(poly=[1.0, 1.7368, -4.8432, 4.9097]), tau=0.5, lower_count=True)
+#: PyramidDrop's patch: per-benchmark ``exp(-sigma x)`` files (sigma 1.45-2.38, mean 1.89; default 1.9) applied
+#: with the padding mask (``tau = 0.01``) at stage 0 only.
+PDROP_RELEASE = ReleaseDebias(Trend(sigma=DEFAULT_SIGMA), tau=0.01, first_stage_only=True)
+
+
+@dataclass(frozen=True)
+class UnpaddedDebiased(Debiased):
+    """:class:`Debiased` whose kept count drops to the tokens the padding mask lets through, as FastV's
+    released patch does (``k = min(R, valid)``): a merge step that un-keeps masked visual tokens."""
+
+    def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kept: ``[B, L]`` bool after selection; masked visual slots (padding fraction > tau) are dropped."""
+        fractions = ctx.state.get("debias_padding")
+        if fractions is None:
+            return kept, hidden
+        unmasked = padding_keep_mask(ctx.ordinal, fractions, self.debiaser.tau) > 0
+        lowered = kept & unmasked
+        some_left = (lowered & ctx.visual).any(dim=1, keepdim=True)  # an image of padding only keeps its picks
+        return torch.where(some_left, lowered, kept), hidden
+
+
+def release_debiased(scorer: Debiased, release: ReleaseDebias) -> Debiased:
+    """``scorer`` with the host's released patch: its trend for ``debias=True`` (a calibration file keeps its
+    fitted trend, as the release's per-benchmark weight files), the release's ``tau`` and stages."""
+    fitted = read_calibration(scorer.option) if isinstance(scorer.option, str) else None
+    debiaser = Debiaser(layers=fitted.layers if fitted else {}, default=release.trend, tau=release.tau,
+                        source=fitted.source if fitted else "release")
+    wrapper = UnpaddedDebiased if release.lower_count else Debiased
+    return wrapper(inner=scorer.inner, debiaser=debiaser, option=scorer.option,
+                   stages=(0,) if release.first_stage_only else None)

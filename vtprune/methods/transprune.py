@@ -18,6 +18,10 @@ Default schedule (LLaVA-1.5, 32 layers): prune before layers 7, 9, 12 (0-based; 
 paper's layer 7) on. Other depths scale the layers (:func:`vtprune.methods.schedules.transprune`). A ``keep``
 other than 0.125 scales the *dropped* fractions: ``r_i = 1 - (1 - r_i^paper) * (1 - keep) / 0.875``, so the
 last stage keeps exactly ``keep`` (``keep=0.125`` is the paper's TransPrune-High).
+
+Release (liaolea/TransPrune ``modeling_llama_transprune.py``, ``parity="release"``, also for ``ttv``): as
+PyramidDrop's, ``int(N0 * ratio_s)`` tokens per stage and position ids compacted after each drop (decode ids
+shifted by ``cur_visual_length - next_visual_length`` per stage); the debiasing release has no TransPrune patch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from vtprune.methods import schedules
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.functional import normalise_alive, ttv, ttv_terms
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
 
 
@@ -42,6 +47,7 @@ class TokenTransitionVariation(Scorer):
 
     name: ClassVar[str] = "ttv"
     requires: ClassVar[frozenset[str]] = frozenset({"llm_layers"})
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="truncate", positions="compact", source="liaolea/TransPrune")
     abs_cos: bool = False
     ttv_start: int | None = None
 
