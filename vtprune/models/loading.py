@@ -191,7 +191,7 @@ def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str 
                 local_files_only=local_only,
             ).eval()
     except (OSError, ValueError, KeyError, ImportError) as error:
-        raise UserError(f"--model {spec!r} could not be loaded as a vision-language model "
+        raise UserError(f"--model {model_label(spec)!r} could not be loaded as a vision-language model "
                         f"({type(error).__name__}: {_first_line(error)}).") from error
     return model, load_processor(target, local_files_only=local_only)
 

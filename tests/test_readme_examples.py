@@ -1,0 +1,121 @@
+"""The README's and the docs' code runs as written: Python snippets are executed (the real-model ones on the
+embedded models, same code otherwise), every ``vtprune`` name they use exists, and every documented
+``vtprune ...`` command line parses."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import vtprune
+from vtprune.models.embedded import embedded_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _block(name: str, path: Path = README) -> str:
+    block = re.search(rf"<!-- {name} -->\n```python\n(.*?)```", path.read_text(), re.S)
+    assert block, f"{path.name} lost its {name} block"
+    return block.group(1)
+
+
+def _python_blocks(path: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+
+
+def test_embedded_example_runs_as_written(capsys):
+    namespace: dict = {}
+    with torch.inference_mode():
+        exec(compile(_block("embedded-example"), "README.md:embedded-example", "exec"), namespace)  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == namespace["sample"].questions[0].answer  # the embedded model answers this question right
+    assert out[1] == "[16] [[4]]"
+    assert not namespace["handle"].active  # removed: the model is pristine again
+
+
+@pytest.mark.parametrize("name,spec,model,dtype,visual,stages", [
+    ("llava-example", "llava-hf/llava-1.5-7b-hf", "llava", "float16", 16, [(2, 0.25)]),  # centre-cropped to 112 px
+    ("qwen-example", "Qwen/Qwen2.5-VL-7B-Instruct", "qwen2_vl", "bfloat16", 12,  # 150 x 112 px: 12 merged tokens
+     [(1, 0.25 ** (1 / 3)), (2, 0.25 ** (2 / 3)), (3, 0.25)]),                     # PyramidDrop on 4 layers
+])
+def test_real_model_examples_run_on_the_embedded_models(tmp_path, capsys, name, spec, model, dtype, visual, stages):
+    """The GPU snippets, with only the checkpoint, device, dtype and image file swapped (same family, same API)."""
+    from vtprune.eval.shapes import make_split
+
+    code = _block(name)
+    for real in (f'"{spec}"', '"cuda"', f'"{dtype}"', '"photo.jpg"'):
+        assert code.count(real) == 1, f"{name}: expected {real} once"
+    image = tmp_path / "photo.jpg"
+    make_split("test", 1)[0].image.resize((150, 112)).save(image)  # not square, like a photo
+    code = (code.replace(f'"{spec}"', repr(str(embedded_model_path(model)))).replace('"cuda"', '"cpu"')
+            .replace(f'"{dtype}"', '"float32"').replace('"photo.jpg"', repr(str(image))))
+    namespace: dict = {}
+    with torch.inference_mode():
+        exec(compile(code, f"README.md:{name}", "exec"), namespace)  # noqa: S102 - our own README
+    stats = namespace["stats"]
+    assert stats.visual_tokens == [visual] and stats.stage_layers == [layer for layer, _ in stages]
+    assert stats.kept == [[vtprune.keep_count(keep, visual)] for _, keep in stages]
+    assert namespace["handle"].active is False
+    assert f"{stats.visual_tokens} {stats.stage_layers} {stats.kept}" in capsys.readouterr().out
+
+
+def _names_used(code: str) -> tuple[set[str], set[tuple[str, str]]]:
+    """``vtprune.X`` attributes, and ``(module, name)`` of ``from vtprune... import name``, in ``code``."""
+    tree = ast.parse(code)
+    attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                  and isinstance(node.value, ast.Name) and node.value.id == "vtprune"}
+    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("vtprune") for alias in node.names}
+    return attributes, imported
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+def test_every_python_snippet_parses_and_uses_real_names(doc):
+    for number, code in enumerate(_python_blocks(doc)):
+        try:
+            attributes, imported = _names_used(code)
+        except SyntaxError as error:
+            pytest.fail(f"{doc.name} python block {number}: {error}")
+        for attribute in attributes:
+            assert hasattr(vtprune, attribute), f"{doc.name} block {number}: vtprune.{attribute} does not exist"
+        for module, name in imported:
+            assert hasattr(importlib.import_module(module), name), f"{doc.name}: {module}.{name} does not exist"
+
+
+def _command_lines(path: Path) -> list[str]:
+    """``vtprune ...`` commands of the ```bash blocks (continuations joined, comments dropped)."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(re.sub(r" \[[^\]]*\]", "", line), comments=True)  # optional parts: [--json]
+            if words[:1] == ["vtprune"] and len(words) > 1:
+                commands.append(words[1:])
+    return commands
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+def test_every_documented_command_line_parses(doc):
+    from vtprune.cli import build_parser
+
+    parser = build_parser()
+    for words in _command_lines(doc):
+        try:
+            parser.parse_args(words)
+        except SystemExit:
+            pytest.fail(f"{doc.name}: `vtprune {' '.join(words)}` does not parse")
+
+
+def test_readme_commands_use_schedules_the_default_model_has_room_for():
+    from vtprune.config import parse_schedule, validate_stages
+
+    for words in _command_lines(README):
+        if "--schedule" in words and "--model" not in words:
+            validate_stages(parse_schedule(words[words.index("--schedule") + 1]), 4)  # the embedded LM's depth
