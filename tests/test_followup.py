@@ -85,3 +85,22 @@ def test_a_followup_with_a_new_image_is_refused():
         out = model.generate(**inputs, max_new_tokens=2, return_dict_in_generate=True)
         with pytest.raises(RuntimeError, match="adds images to a non-empty cache"):
             model(**inputs, past_key_values=_cache(out))
+
+
+@pytest.mark.parametrize("spec", ["embedded:llava", "embedded:qwen2_vl"])
+def test_chat_reuse_equals_reprefill_without_pruning_and_differs_only_by_pruning(spec):
+    import warnings
+
+    from vtprune.eval.shapes import make_split
+    from vtprune.models.chat import chat
+    from vtprune.models.loading import load
+
+    model, processor = load(spec, device="cpu")
+    sample = make_split("test", 3)[2]
+    questions = [q.text for q in sample.questions[:3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the cache is reused: no re-tokenization fallback
+        assert chat(model, processor, sample.image, questions, "reuse") == \
+            chat(model, processor, sample.image, questions, "reprefill")
+    with pytest.raises(ValueError, match="followup="):
+        chat(model, processor, sample.image, questions, "sometimes")
