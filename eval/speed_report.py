@@ -121,11 +121,13 @@ def conditions_line(rows: list[dict]) -> str:
     lms = "; ".join(f"{fam}: hidden {r['lm_hidden']}, {r['lm_layers']} layers, {r['lm_heads']}/{r['lm_kv_heads']} "
                     f"heads, MLP {r['lm_intermediate']}, vocab {r['lm_vocab']}, weights {r['weights_sha']}"
                     for fam, r in families.items())
-    dirty = " (dirty tree)" if first.get("git_dirty") == "True" else ""
+    shas = list(dict.fromkeys(f"{r['git_sha']}{' (dirty tree)' if r.get('git_dirty') == 'True' else ''}"
+                              for r in rows))
+    dates = ", ".join(dict.fromkeys(r["date"] for r in rows))
     return (f"Conditions: random-weight speed proxies ({first['lm']} LM; {lms}), {first['new_tokens']} new tokens, "
             f"device {first['device']} ({first['threads']} threads), dtype {first['dtype']}, attention "
             f"{first['attn_implementation']}, torch {first['torch']}, transformers {first['transformers']}, "
-            f"vtprune {first['vtprune']} @ {first['git_sha']}{dirty}, {first['date']}.")
+            f"vtprune {first['vtprune']} @ {', '.join(shas)} (per row in the CSV), {dates}.")
 
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
