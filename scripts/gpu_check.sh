@@ -136,8 +136,8 @@ RUN=0
 # --- the benchmark ------------------------------------------------------------------------------------------------
 if [ "$QUICK" = 1 ]; then
   COMMON=(--device "$DEVICE" --dtype float32 --attn sdpa --speed-lm proxy --speed-hidden 128 --speed-layers 4
-          --methods fastv --keep 0.25 --speed-new-tokens 3 --repeats 2 --threads 2 --speed-memory off)
-  LLAVA=(--speed-tokens 576 --speed-batches 1,2)
+          --methods fastv --keep 0.25 --speed-new-tokens 3 --repeats 2 --threads 1 --speed-memory off)
+  LLAVA=(--speed-tokens 576 --speed-batches 1)
   QWEN=(--speed-tokens 2304 --speed-batches 1)
   LONG=()
 else
@@ -157,7 +157,7 @@ if [ "$RUN" = 1 ]; then
   speed speed-qwen7b-sdpa 150 "${QWEN[@]}"
   if [ ${#LONG[@]} -gt 0 ]; then speed speed-qwen7b-16384-sdpa 70 "${LONG[@]}"; else skip speed-qwen7b-16384-sdpa quick; fi
   KERNEL_ARGS=(--device "$DEVICE" --out "$OUT/kernels")
-  [ "$QUICK" = 1 ] && KERNEL_ARGS+=(--quick --preset tiny --threads 2)
+  [ "$QUICK" = 1 ] && KERNEL_ARGS+=(--quick --preset tiny --threads 1)
   step kernels 90 "$PY" -m vtprune.eval.bench_kernels "${KERNEL_ARGS[@]}" \
     && step kernel-plots 30 "$PY" -m vtprune.eval.plot_kernels --csv "$OUT/kernels/bench_kernels_$DEVICE.csv" \
       --out "$OUT/kernels"
