@@ -54,7 +54,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines += _per_type_table(rows, "evidence_recall", "Evidence recall per question type:", _fmt)
     lines += ["", *goal_summary(rows)]
     first = rows[0]
-    lines += ["", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
+    lines += ["", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} thread{'' if str(first['threads']) == '1' else 's'}), "
               f"dtype {first['dtype']}, attention {first['attn_implementation']}, batch {first['batch_size']} "
               f"(timings: batch 1), torch {first['torch']}, transformers {first['transformers']}, "
               f"vtprune {first['vtprune']} @ {first['git_sha']}{dirty(first)}, weights {first.get('weights_sha', '?')}, "

@@ -43,11 +43,12 @@ def test_info_lists_models_and_methods():
 
 
 def test_bench_writes_a_well_formed_csv_table_and_plots(tmp_path):
-    _run("bench", "--model", "tiny:llava", "--images", "2", "--methods", "none,fastv,oracle", "--keep", "1,0.25",
-         "--timing-samples", "1", "--repeats", "1", "--out", str(tmp_path))
+    out = _run("bench", "--model", "tiny:llava", "--images", "2", "--methods", "none,fastv,oracle", "--keep", "1,0.25",
+               "--timing-samples", "1", "--repeats", "1", "--out", str(tmp_path))
+    assert "| method | keep |" in out.stdout and "Columns:" in out.stdout  # the table is printed, with its legend
     with (tmp_path / "bench.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert {r["method"] for r in rows} == {"none", "fastv", "oracle"}
+    assert {(r["method"], float(r["keep"])) for r in rows} == {("none", 1.0), ("fastv", 0.25), ("oracle", 0.25)}
     required = {"accuracy", "evidence_recall", "kept_per_stage", "prefill_gflops", "kv_cache_bytes",
                 "prefill_ms_p20", "prefill_ms_p50", "prefill_ms_p80", "decode_ms_p50", "device", "dtype",
                 "attn_implementation", "batch_size", "torch", "transformers", "git_sha"}
