@@ -119,3 +119,16 @@ def test_readme_commands_use_schedules_the_default_model_has_room_for():
     for words in _command_lines(README):
         if "--schedule" in words and "--model" not in words:
             validate_stages(parse_schedule(words[words.index("--schedule") + 1]), 4)  # the embedded LM's depth
+
+
+def test_video_example_runs_on_a_sampled_clip(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("av")
+    from vtprune.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sample", "--video", "clip.mp4"]) == 0
+    namespace: dict = {}
+    with torch.inference_mode():
+        exec(compile(_block("video-example", ROOT / "docs" / "video.md"), "video.md", "exec"), namespace)  # noqa: S102
+    result = namespace["result"]
+    assert result.answer == "green" and set(result.frames_selected) & {0, 1}  # the cross shows in frames 0-1
