@@ -304,3 +304,15 @@ def test_segments_are_the_same_under_generate(model_type):
     handle.remove()
     assert seen[0] == seen[1]
     assert all(segment.h > 1 for sample in seen[1] for segment in sample)
+
+
+def test_device_kept_counts_equal_the_host_rules():
+    from vtprune.config import keep_count, truncated_count
+    from vtprune.state import device_kept_counts
+
+    n = torch.arange(0, 3000)
+    keeps = [1.0, 0.5, 0.33, 0.25, 0.125, 0.11, 0.05, 0.01, 0.875, 0.625, 0.1 + 0.2]
+    for counting, rule in (("round", keep_count), ("truncate", truncated_count)):
+        device = device_kept_counts(n, keeps, counting)
+        host = torch.tensor([[rule(keep, int(v)) for v in n] for keep in keeps])
+        assert torch.equal(device, host), counting

@@ -38,7 +38,7 @@ from vtprune.state import (
     LazySegments,
     StageRecord,
     Timer,
-    kept_ordinals,
+    device_kept_counts,
     visual_ordinals,
 )
 
@@ -112,7 +112,7 @@ class PruneHandle:
         if not frames:
             return self.calls.pending if outside else None
         call = frames[-1].call
-        if call is None or call.decoding:
+        if call is None or call.decoding or call.abandoned:
             return None
         return call.method_state
 
@@ -193,11 +193,9 @@ class PruneHandle:
             frame.call = self._continue(cache, kwargs)
             fixed = decode.unseen_tokens(frame.call, kwargs) if frame.call is not None else None
             return None if fixed is None else (args, fixed)
-        visual = self.adapter.visual_mask(input_ids)
-        counts = visual.sum(dim=1).tolist()
-        if not any(counts):
-            return
-        frame.call = self._new_call(input_ids, visual, counts, kwargs, pending)
+        # Whether the prompt has visual tokens (and how many) is read at the LM pre-hook, in the prefill's one
+        # transfer from the device; a call without any is abandoned there.
+        frame.call = self._new_call(input_ids, self.adapter.visual_mask(input_ids), kwargs, pending)
 
     def _continue(self, cache: Any, kwargs: dict) -> CallState | None:
         """The call whose decode state ``cache`` holds (a decode step or a follow-up turn), or None."""
@@ -211,27 +209,29 @@ class PruneHandle:
             call.decoding, call.decode_columns, call.step = True, None, {}
         return call
 
-    def _new_call(self, input_ids: torch.Tensor, visual: torch.Tensor, counts: list[int], kwargs: dict,
-                  pending: dict) -> CallState:
+    def _new_call(self, input_ids: torch.Tensor, visual: torch.Tensor, kwargs: dict, pending: dict) -> CallState:
         inputs = {**kwargs, **self.calls.request}
         inputs.pop("cache", None)
         inputs.pop("past_key_values", None)
-        counts = [int(n) for n in counts]
-        # Kept counts of every stage, moved to the device once per call (the only host-to-device copy).
-        plan = self.plan.kept_counts(counts) or [counts]
         return CallState(
             num_visual=visual.sum(dim=1),
-            visual_counts=counts,
+            visual_counts=[],
             prompt_length=input_ids.shape[1],
-            stats=CallStats(visual_tokens=counts, timer=Timer(visual.device)),
-            stage_counts=torch.tensor(plan, device=visual.device),
-            planned=plan,
+            stats=CallStats(visual_tokens=[], timer=Timer(visual.device)),
             segments=LazySegments(lambda: self.adapter.segments(input_ids, inputs)),
             inputs=inputs,
             visual=visual,
             ordinal=visual_ordinals(visual),
             method_state=dict(pending),
         )
+
+    def plan_counts(self, call: CallState, counts: list[int]) -> None:
+        """The call's visual counts (host) and every stage's kept counts, on the host and on the device (computed
+        there with the same rounding, so no host-to-device copy)."""
+        call.visual_counts, call.stats.visual_tokens = counts, counts
+        call.planned = self.plan.kept_counts(counts) or [counts]
+        call.stage_counts = device_kept_counts(call.num_visual, [s.keep for s in self.stages],
+                                               getattr(self.plan, "counting", "round"))
 
     def _model_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         frame = self.calls.exit()
@@ -256,7 +256,7 @@ class PruneHandle:
         if ran and cache is not None and self.retains_kv:
             kv.evict(self, call, cache)
         if output is not None and call.views:
-            stats.kept_indices = kept_ordinals(call.stage_ordinals)
+            stats.defer_kept_indices(call.stage_ordinals)
             self.stats.append(stats)
             self.calls.last_stats = stats
             if self.record_indices >= 0 and len(self.stats) > self.record_indices:

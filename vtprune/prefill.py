@@ -30,13 +30,20 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
             "(static or compiled cache). Use the default cache (generate(..., cache_implementation=None))."
         )
     if embeds is None:
+        call.abandoned = True
         return None
     batch, length = embeds.shape[:2]
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         valid = mask.bool()
     else:
         valid = torch.ones(batch, length, dtype=torch.bool, device=embeds.device)
-    lengths, first, last = torch.stack([valid.sum(dim=1), valid[:, 0].long(), valid[:, -1].long()]).tolist()
+    # The prefill's one read from the device: lengths, padding side and visual counts of every sample.
+    summary = torch.stack([valid.sum(dim=1), valid[:, 0].long(), valid[:, -1].long(), call.num_visual.long()])
+    lengths, first, last, counts = summary.tolist()
+    if not any(counts):  # no visual token: this forward runs unpruned
+        call.abandoned = True
+        return None
+    handle.plan_counts(call, counts)
     call.left_padding = not all(first) or all(last)
     call.text_counts = [n - v for n, v in zip(lengths, call.visual_counts, strict=True)]
     view = StageView(

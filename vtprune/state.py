@@ -33,10 +33,41 @@ class CallStats:
     visual_tokens: list[int]
     stage_layers: list[int] = field(default_factory=list)
     kept: list[list[int]] = field(default_factory=list)
-    kept_indices: list[list[list[int]]] | None = field(default_factory=list)
     retained_kv: bool = False
     timer: Any = field(default=None, repr=False)
     _forward_ms: float | None = field(default=None, repr=False)
+    _kept_indices: list[list[list[int]]] | None = field(default_factory=list, repr=False)
+    _pending: Any = field(default=None, repr=False)
+
+    @property
+    def kept_indices(self) -> list[list[list[int]]] | None:
+        """``[stage][sample]`` kept visual ordinals (read from the device on first access, not in the forward)."""
+        if self._pending is not None:
+            ordinals, event = self._pending
+            if event is not None:
+                event.synchronize()
+            self._kept_indices, self._pending = kept_ordinals(ordinals), None
+        return self._kept_indices
+
+    @kept_indices.setter
+    def kept_indices(self, value: list[list[list[int]]] | None) -> None:
+        self._kept_indices, self._pending = value, None
+
+    def defer_kept_indices(self, ordinals: list[torch.Tensor]) -> None:
+        """Start copying the stages' ``[B, L_s]`` ordinals to the host without waiting for the device."""
+        if not ordinals:
+            self.kept_indices = []
+            return
+        event = None
+        if ordinals[0].device.type == "cuda":
+            copies = []
+            for tensor in ordinals:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                copies.append(host.copy_(tensor, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record()
+            ordinals = copies
+        self._pending = (list(ordinals), event)
 
     @property
     def forward_ms(self) -> float | None:
@@ -160,6 +191,7 @@ class CallState:
     pending_scores: torch.Tensor | None = None
     pre_llm_index: torch.Tensor | None = None
     # decode
+    abandoned: bool = False
     decoding: bool = False
     decoded: int = 0
     pre_llm_valid: torch.Tensor | None = None
@@ -201,6 +233,19 @@ class LazySegments(Sequence):
 
     def __len__(self) -> int:
         return len(self._get())
+
+
+def device_kept_counts(num_visual: torch.Tensor, keeps: list[float], counting: str = "round") -> torch.Tensor:
+    """``[stages, B]`` kept counts computed on ``num_visual``'s device, equal to the host rules of
+    :func:`vtprune.config.keep_count` (``"round"``: ``floor(keep n + 0.5)``) and
+    :func:`vtprune.config.truncated_count` (``"truncate"``: ``int(n keep)``), both at least 1 and at most ``n``
+    (0 for ``n = 0``). float64 arithmetic, as Python's; no host-to-device copy."""
+    n = num_visual.double()
+    rows = []
+    for keep in keeps:
+        raw = torch.floor(keep * n + 0.5) if counting == "round" else torch.floor(n * keep)
+        rows.append(torch.minimum(torch.clamp(raw, min=1), n))
+    return torch.stack(rows).long() if rows else num_visual[None].long()
 
 
 def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
