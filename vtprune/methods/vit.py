@@ -91,8 +91,8 @@ def encoder_layers(adapter: Any) -> nn.ModuleList:
     layers = getattr(getattr(body, "encoder", None), "layers", None)
     if layers is None or not all(hasattr(layer, "layer_norm1") for layer in layers):
         raise ValueError(
-            f"vflowopt needs a CLIP or SigLIP vision tower; {type(tower).__name__} is not one (the model's adapter "
-            "must offer 'clip_tower'); use 'transprune' or 'fastv' for it."
+            f"vflowopt needs a CLIP, SigLIP or Qwen-VL vision tower; {type(tower).__name__} is not one; "
+            "use 'transprune' or 'fastv' for it."
         )
     return layers
 
