@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import math
 import platform
 from collections import defaultdict
 from pathlib import Path
@@ -124,7 +125,8 @@ def goal_summary(rows: list[dict]) -> list[str]:
         if scored:
             acc, m = max(scored)
             ratio = acc / float(base["accuracy"])
-            lines.append(f"- keep {keep:g}: accuracy {acc:.3f} ({m}) = {100 * ratio:.1f} % of unpruned "
+            shown = math.floor(1000 * ratio + 1e-9) / 10  # rounded down: 96.99 % shows as 96.9, never as 97.0
+            lines.append(f"- keep {keep:g}: accuracy {acc:.3f} ({m}) = {shown:.1f} % of unpruned "
                          f"{float(base['accuracy']):.3f}; target {100 * goal:.0f} %: {_verdict(ratio >= goal)}")
     if any((m, 0.25) in overall for m in methods):
         rec, m = max((float(overall[m, 0.25]["evidence_recall"]), m) for m in methods if (m, 0.25) in overall)

@@ -161,7 +161,7 @@ def command_tune(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['method']} at budget {args.budget}: objective {result['objective']:.4f} "
-          f"(default configuration {result['baseline_objective']})")
+          f"(default configuration {result['baseline_objective']:.4f})")
     print(f"wrap options: {json.dumps(result['wrap_options'])}")
     print(f"wrote {out}")
     return 0

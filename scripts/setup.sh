@@ -19,7 +19,7 @@ if [ "$(cat .venv/.vtprune-stamp 2>/dev/null)" = "$dev_stamp" ]; then
   :  # the development set is installed and current: it holds the run set too
 elif [ "$PROFILE" = run ]; then
   if [ "$(cat .venv/.vtprune-stamp-run 2>/dev/null)" != "$run_stamp" ]; then
-    echo "[setup] installing the run set: vtprune, torch, transformers, matplotlib (about 1 GB, a few minutes)"
+    echo "[setup] installing the run set: vtprune, torch, transformers, matplotlib (about 1.3 GB, a few minutes)"
     "${PIP[@]}" -e . matplotlib 2>&1 | grep -v "WARNING: Location" || true
     .venv/bin/python -c "import vtprune, torch, transformers" \
       || { echo "[setup] the install is broken: 'import vtprune' failed" >&2; exit 1; }

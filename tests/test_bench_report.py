@@ -41,3 +41,16 @@ def test_goal_lines_by_hand() -> None:
 def test_no_goal_lines_without_an_unpruned_reference() -> None:
     rows = [{**r, "accuracy": "0.0"} if r["method"] == "none" else r for r in _rows()]
     assert goal_summary(rows) == []  # a random-weight model: nothing to take a percentage of
+
+
+def test_a_ratio_just_below_its_target_never_reads_as_the_target() -> None:
+    rows = [{**r, "accuracy": "0.832"} if r["method"] == "none" and r["qtype"] == "all" else r for r in _rows()]
+    rows = [{**r, "accuracy": "0.807"} if (r["method"], r["keep"], r["qtype"]) == ("fastv", "0.25", "all") else r
+            for r in rows]
+    line = goal_summary(rows)[2]
+    assert "= 96.9 % of unpruned 0.832; target 97 %: below target" in line  # 0.807 / 0.832 = 0.96995
+
+
+def test_the_report_explains_its_columns() -> None:
+    text = markdown_table(_rows())
+    assert text.startswith("| method |") and "Columns: *accuracy*" in text and "bench --speed" in text

@@ -157,11 +157,10 @@ def test_a_cached_model_loads_while_the_hub_is_unreachable(tmp_path):
     env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_ENDPOINT="http://127.0.0.1:9")
     code = ("import vtprune; m, p = vtprune.load('someone/shapes-llava', device='cpu'); "
             "print(type(m).__name__, p.tokenizer.padding_side)")
-    start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["LlavaForConditionalGeneration", "left"]
-    assert time.perf_counter() - start < 60
+    assert "Retrying" not in out.stderr  # huggingface_hub's network retries (about 50 s) never started
 
 
 def test_import_vtprune_does_not_import_the_applications():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,8 +135,25 @@ def check_load(spec: str | None, device: str | None = None, attn_implementation:
     check_attention(attn_implementation, device)
     target = check_model_spec(spec)
     if not target.startswith("tiny:"):
-        check_model_type(model_config(target), spec)
+        check_model_type(raw_config(target), spec)
     return target
+
+
+def raw_config(target: str) -> dict[str, Any]:
+    """``config.json`` of a folder or hub id as a dict, read without importing transformers (fast)."""
+    path = Path(target).expanduser() / "config.json"
+    try:
+        if not path.is_file():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(target, "config.json", local_files_only=_local_only(target)))
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"--model {target!r}: its config.json cannot be read ({type(error).__name__}: "
+                        f"{_first_line(error)}).") from error
+    if not isinstance(config, dict):
+        raise UserError(f"--model {target!r}: its config.json is not a JSON object.")
+    return config
 
 
 def model_config(target: str) -> Any:
@@ -149,22 +167,28 @@ def model_config(target: str) -> Any:
                         f"{_first_line(error)}).") from error
 
 
-def check_model_type(config: Any, spec: str | None = None) -> None:
+def check_model_type(config: dict[str, Any], spec: str | None = None) -> None:
     """Refuse a model family vtprune has no adapter for (names the supported ``model_type`` values)."""
-    model_type = getattr(config, "model_type", None)
+    model_type = config.get("model_type")
     if model_type not in ADAPTERS:
         raise UserError(f"--model {spec!r} is a {model_type!r} model; vtprune prunes the vision-language model "
                         f"types {', '.join(sorted(ADAPTERS))} (see `vtprune info`).")
 
 
 def text_layers(spec: str | None) -> int | None:
-    """Decoder layers of the model's language model, read from its config (None for ``tiny:`` specs)."""
+    """Decoder layers of the model's language model, read from its config (None for ``tiny:`` specs).
+
+    ``config.json`` is read directly when it states the count; a config that leaves it to the class default
+    (llava-1.5's ``text_config``) is resolved by ``transformers.AutoConfig``.
+    """
     target = resolve_model(spec)
     if target.startswith("tiny:"):
         return None
-    config = model_config(target)
-    text = getattr(config, "text_config", None) or config
-    layers = getattr(text, "num_hidden_layers", None)
+    raw = raw_config(target)
+    layers = (raw.get("text_config") or raw).get("num_hidden_layers")
+    if layers is None:
+        config = model_config(target)
+        layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", None)
     return int(layers) if layers else None
 
 
@@ -184,6 +208,8 @@ def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str 
     from transformers import AutoModelForImageTextToText
 
     local_only = _local_only(target)
+    if local_only and not Path(target).expanduser().exists():
+        target = _cached_folder(target)  # from_pretrained probes adapter files online even with local_files_only
     try:
         with _quiet_progress(Path(target).resolve().is_relative_to(MODELS_DIR)):
             model = AutoModelForImageTextToText.from_pretrained(
@@ -194,6 +220,17 @@ def load(spec: str | None = None, attn_implementation: str = "sdpa", dtype: str 
         raise UserError(f"--model {model_label(spec)!r} could not be loaded as a vision-language model "
                         f"({type(error).__name__}: {_first_line(error)}).") from error
     return model, load_processor(target, local_files_only=local_only)
+
+
+def _cached_folder(repo_id: str) -> str:
+    """The local snapshot folder of a cached hub id (nothing is fetched)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise UserError(f"--model {repo_id!r}: the hub cannot be used and the cached copy is incomplete "
+                        f"({type(error).__name__}: {_first_line(error)}).") from error
 
 
 @contextlib.contextmanager
