@@ -77,14 +77,14 @@ def test_release_positions_are_the_compacted_ones():
     """PyramidDrop's release = truncated counts + compacted positions: the same model output as vtprune's
     positions='compact' with keeps whose round-half-up counts are the truncated ones (28 / 12 / 8)."""
     release, logits = _run("pdrop", 0.125, schedule="1:0.45,2:0.2,3:0.125", parity="release")
-    assert release.config.positions == "compact"
+    assert release.plan.positions == "compact"
     compact, same = _run("pdrop", 0.125, schedule="1:0.4375,2:0.1875,3:0.125", positions="compact")
     assert compact.last_stats.kept_indices == release.last_stats.kept_indices
     torch.testing.assert_close(logits, same, atol=0, rtol=0)
     original, other = _run("pdrop", 0.125, schedule="1:0.4375,2:0.1875,3:0.125")
     assert not torch.equal(other, logits)  # the compaction is what differs
     fastv, _ = _run("fastv", 0.25, parity="release")
-    assert fastv.config.positions == "original" and fastv.last_stats.kept == [[16]]  # R = 16 of 64 exactly
+    assert fastv.plan.positions == "original" and fastv.last_stats.kept == [[16]]  # R = 16 of 64 exactly
 
 
 # -- debiasing patches ---------------------------------------------------------------------------------------

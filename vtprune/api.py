@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,10 +60,7 @@ def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: f
     if scorer is not None and config.options:
         raise ValueError(f"options {sorted(config.options)} are for named methods; set them on the scorer instance.")
     scorer = resolve(scorer or config.method, config.options, debias=config.debias, seed=config.seed, model=model)
-    plan = make_plan(config, scorer, adapter)
-    if plan.positions != config.positions:  # parity="release": the release's position policy
-        config = dataclasses.replace(config, positions=plan.positions)
-    handle = PruneHandle(model, adapter, plan, config, record_indices=record_indices)
+    handle = PruneHandle(model, adapter, make_plan(config, scorer, adapter), config, record_indices=record_indices)
     model._vtprune_handle = handle
     return handle
 

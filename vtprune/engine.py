@@ -261,7 +261,7 @@ class PruneHandle:
             self.calls.last_stats = stats
             if self.record_indices >= 0 and len(self.stats) > self.record_indices:
                 self.stats[-self.record_indices - 1].kept_indices = None
-        call.finish_prefill(self.config.positions == "compact")
+        call.finish_prefill(self.plan.positions == "compact")
         if ran and cache is not None:
             self.calls.bind(cache, call)
 

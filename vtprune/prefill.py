@@ -125,7 +125,7 @@ def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
     positions = kwargs.get("position_ids")
     if isinstance(positions, torch.Tensor):
         update["position_ids"] = gather_tokens(positions, view.index, positions.dim() - 1)
-    if handle.config.positions == "compact" and embeddings is not None:
+    if handle.plan.positions == "compact" and embeddings is not None:
         compact = (view.valid.long().cumsum(dim=1) - 1).clamp(min=0)
         cos, sin = handle.adapter.language_model.rotary_emb(embeddings[0], compact.to(embeddings[0].device))
         update.update({"position_embeddings": (cos, sin), "position_ids": compact})

@@ -79,13 +79,19 @@ def with_debias(scorer: Scorer, debias: bool | str, model: Any) -> Scorer:
     if not debias:
         return scorer
     if "attention" not in scorer.requires:
-        debiasable = sorted(n for n, f in METHODS.items() if "attention" in getattr(f, "requires", ()))
+        debiasable = sorted(n for n, f in METHODS.items() if "attention" in _class_requires(f))
         raise ValueError(
             f"method {scorer.name!r} does not score with language-model attention, so debias does not apply to it; "
             f"drop debias / '+debias', or use one of: {', '.join(debiasable)}."
         )
     option = check_debias_option(debias)
     return Debiased(inner=scorer, debiaser=debiaser_for(option, model), option=option)
+
+
+def _class_requires(factory: Any) -> frozenset[str]:
+    """What a registered method requires, read without building it (factories and properties: nothing)."""
+    value = getattr(factory, "requires", frozenset())
+    return value if isinstance(value, frozenset) else frozenset()
 
 
 def make_method(name: str, options: dict[str, Any] | None = None) -> Scorer:
