@@ -92,6 +92,7 @@ def test_chat_reuse_equals_reprefill_without_pruning_and_differs_only_by_pruning
     import warnings
 
     from vtprune.eval.shapes import make_split
+
     from vtprune.models.chat import chat
     from vtprune.models.loading import load
 
