@@ -130,6 +130,39 @@ def build_dense_parts(args: argparse.Namespace) -> dict:
     }
 
 
+@torch.no_grad()
+def warm_start(model, path: str | Path) -> list[str]:
+    """Copy an exported tiny LLaVA's weights (e.g. the shipped 16-token one) into the 64-token ``model``.
+
+    Same-shaped tensors are copied; the CLIP position embeddings (CLS + g0 x g0 grid) are resized
+    bilinearly to the new grid, so every patch starts with the embedding of the same relative place; the
+    token embeddings and the LM head keep the rows of the old vocabulary (the dense tokenizer only appends
+    words) and the new words start from their random init. Returns notes on what was not copied as is.
+    """
+    from transformers import LlavaForConditionalGeneration
+
+    src = LlavaForConditionalGeneration.from_pretrained(path).state_dict()
+    notes = []
+    for key, dst in model.state_dict().items():
+        old = src.get(key)
+        if old is None or key.endswith("position_ids"):
+            notes.append(f"{key}: kept (not in {path})" if old is None else f"{key}: kept (buffer)")
+        elif old.shape == dst.shape:
+            dst.copy_(old)
+        elif key.endswith("position_embedding.weight"):
+            g0, g1 = round((old.shape[0] - 1) ** 0.5), round((dst.shape[0] - 1) ** 0.5)
+            grid = old[1:].T.reshape(1, -1, g0, g0)
+            new = torch.nn.functional.interpolate(grid, size=(g1, g1), mode="bilinear", align_corners=False)
+            dst.copy_(torch.cat([old[:1], new.reshape(-1, g1 * g1).T]))
+            notes.append(f"{key}: {g0}x{g0} grid resized to {g1}x{g1}")
+        elif old.shape[1:] == dst.shape[1:] and old.shape[0] < dst.shape[0]:
+            dst[: old.shape[0]].copy_(old)
+            notes.append(f"{key}: {old.shape[0]} rows copied, {dst.shape[0] - old.shape[0]} new")
+        else:
+            raise ValueError(f"warm start: {key} has shape {tuple(old.shape)} in {path}, {tuple(dst.shape)} here")
+    return notes
+
+
 def dense_card_data(args: argparse.Namespace) -> str:
     """The model card's data paragraph for the dense task version."""
     return (f"vtprune-shapes **dense** task version (`vtprune.eval.shapes_dense`, {D.DENSE_VERSION}): {args.image_size} "

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4, help="layers of the vision tower and of the LM (dense)")
     p.add_argument("--curriculum-steps", type=int, default=1500,
                    help="dense: scene difficulty ramps 0 -> 1 over these steps (0: full difficulty from the start)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="dense: start from an exported tiny LLaVA's weights (tiny_dense.warm_start), e.g. the 16-token one")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
@@ -110,6 +112,9 @@ class Trainer:
             self.cfg, self.data, self.tok, self.processor = parts["cfg"], parts["data"], parts["tok"], parts["processor"]
             self.model, self.aux, self.batcher = parts["model"], parts["aux"], parts["batcher"]
             self.model.model.vision_tower.register_forward_hook(self._grab)
+            if args.init_from:
+                for note in TD.warm_start(self.model, args.init_from):
+                    log(f"warm start: {note}")
         elif args.arch == "llava":
             self.tok = M.build_tokenizer()
             self.processor = M.build_llava_processor(self.tok, args.image_size, args.patch_size)

@@ -128,3 +128,24 @@ def test_dense_defaults_write_under_runs(tmp_path, monkeypatch) -> None:
     assert (tmp_path / "runs" / "llava64" / "export" / "config.json").is_file()
     assert json.loads((tmp_path / "runs" / "llava64" / "export" / "config.json").read_text())[
         "vision_config"]["image_size"] == 224
+
+
+def test_warm_start_from_the_16_token_model() -> None:
+    """Weights carry over from the shipped 16-token LLaVA; its 4x4 position grid is resized to 8x8 bilinearly."""
+    from transformers import LlavaForConditionalGeneration
+    from vtprune.eval import tiny_eval as E
+
+    old = LlavaForConditionalGeneration.from_pretrained(embedded_model_path("llava")).state_dict()
+    parts = TD.build_dense_parts(T.parse_args(["--task", "dense", "--steps", "1"]))
+    TD.warm_start(parts["model"], embedded_model_path("llava"))
+    new = parts["model"].state_dict()
+    key = "model.vision_tower.embeddings.position_embedding.weight"
+    g_old, g_new = old[key][1:].reshape(4, 4, -1), new[key][1:].reshape(8, 8, -1)
+    assert torch.equal(new[key][0], old[key][0]) and torch.allclose(g_new[0, 0], g_old[0, 0])
+    assert torch.allclose(g_new[7, 7], g_old[3, 3])
+    assert torch.allclose(g_new[1, 0], 0.75 * g_old[0, 0] + 0.25 * g_old[1, 0], atol=1e-6)  # row 1 samples y = 0.25
+    emb = "model.language_model.embed_tokens.weight"
+    assert torch.equal(new[emb][: old[emb].shape[0]], old[emb])
+    assert all(torch.equal(new[k], v) for k, v in old.items() if k in new and new[k].shape == v.shape)
+    acc = E.evaluate(parts["model"].eval(), parts["processor"], D.make_dense_split("val", 10), batch_size=64)
+    assert (acc["color"] + acc["shape"]) / 2 >= 0.6, acc  # it already reads colours and shapes on 224 px scenes
