@@ -124,7 +124,7 @@ def test_contract(case, model_type, impl):
         else:
             ref_tokens, ref_logits = reference_decode(model, alone[row], stages, kept, STEPS,
                                                       suppress=len(SPECIAL_TOKENS),
-                                                      compact=handle.config.positions == "compact")
+                                                      compact=handle.plan.positions == "compact")
         assert torch.equal(ref_tokens, tokens[row])
         torch.testing.assert_close(ref_logits, logits[row], atol=1e-4, rtol=0)
 
