@@ -165,7 +165,11 @@ def command_info(args: argparse.Namespace) -> int:
 
     print(f"vtprune {vtprune.__version__}  torch {torch.__version__}  transformers {transformers.__version__}  "
           f"python {platform.python_version()}")
-    print(f"cuda available: {torch.cuda.is_available()}")
+    hint = ""
+    if not torch.cuda.is_available():
+        hint = ("  (a CPU build of torch: see docs/use_on_your_model.md, Install)" if torch.version.cuda is None
+                else f"  (torch built for CUDA {torch.version.cuda}, but no GPU is visible: check nvidia-smi)")
+    print(f"cuda available: {torch.cuda.is_available()}{hint}")
     print("model types: " + ", ".join(supported_model_types()))
     print("methods:")
     for name in list_methods():

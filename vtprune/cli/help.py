@@ -41,8 +41,9 @@ examples:
     "bench": """\
 examples:
   vtprune bench --images 10 --methods none,fastv,pdrop --keep 1,0.25 --out runs/bench-small    about 1 min on CPU
-  vtprune bench --images 100                                  every method and keep (about 30 min on 2 cores)
-  vtprune bench --speed --methods fastv --keep 0.25           measured vs FLOP-predicted prefill speedup
+  vtprune bench --images 100                                  every method and keep (about half an hour)
+  vtprune bench --speed --methods fastv --keep 0.25 --speed-tokens 576 --speed-batches 1 --repeats 5
+                                                              measured vs FLOP-predicted speedup (about 5 min)
   vtprune bench --video --model embedded:qwen2_vl --clips 10 --open-ended""",
     "calibrate": """\
 examples:
