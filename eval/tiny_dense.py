@@ -123,7 +123,7 @@ def build_dense_parts(args: argparse.Namespace) -> dict:
     return {
         "cfg": cfg, "tok": tok, "model": model,
         "processor": M.build_llava_processor(tok, args.image_size, args.patch_size),
-        "aux": M.AuxHead(model.config.vision_config.hidden_size, DENSE_AUX_HEADS, {}),
+        "aux": M.AuxHead(model.config.vision_config.hidden_size, DENSE_AUX_HEADS, {}, balanced=args.aux_balanced),
         "batcher": M.LlavaBatcher(tok, args.image_size, args.patch_size, questions=dense_training_questions,
                                   labels=dense_patch_labels),
         "data": DenseData(cfg, args.curriculum_steps),

@@ -137,17 +137,32 @@ class AuxHead(nn.Module):
     ``digit`` label per 28 px Qwen token cannot carry it, and 8 px digits never cover 25 % of such a token).
     """
 
-    def __init__(self, width: int, heads: dict[str, int] | None = None, slots: dict[str, int] | None = None):
+    def __init__(self, width: int, heads: dict[str, int] | None = None, slots: dict[str, int] | None = None,
+                 balanced: bool = False):
+        """``balanced``: each head's loss is the mean of its background-patch and its labelled-patch means
+        (so the few digit patches of an image are not outweighed by its background)."""
         super().__init__()
+        self.balanced = balanced
         self.sizes = dict(AUX_HEADS if heads is None else heads)
         slots = AUX_SLOTS if slots is None else slots
         self.heads = nn.ModuleDict({k: nn.Linear(width, n * slots.get(k, 1)) for k, n in self.sizes.items()})
 
     def forward(self, feats: torch.Tensor, labels: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean cross-entropy over heads; ``feats`` [B, P, D], labels [B, P] (or [B, P, slots]) each."""
+        if self.balanced:
+            return torch.stack([self._balanced(h(feats).reshape(-1, self.sizes[k]), labels[k].flatten())
+                                for k, h in self.heads.items()]).mean()
         losses = [nn.functional.cross_entropy(h(feats).reshape(-1, self.sizes[k]), labels[k].flatten())
                   for k, h in self.heads.items()]
         return torch.stack(losses).mean()
+
+    @staticmethod
+    def _balanced(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        ce = nn.functional.cross_entropy(logits, labels, reduction="none")
+        fg = labels > 0
+        if not fg.any() or fg.all():
+            return ce.mean()
+        return 0.5 * ce[fg].mean() + 0.5 * ce[~fg].mean()
 
 
 def digit_slots(objects: list[S.SceneObject], grid: int, patch: int) -> np.ndarray:

@@ -61,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
+    p.add_argument("--aux-balanced", action="store_true",
+                   help="dense: each aux head weighs its labelled patches as much as the background ones")
     p.add_argument("--video-clips", type=int, default=None,
                    help="video clips per step, each question asked as letter and open-ended "
                         "(default 4 for qwen2_vl, 0 for llava)")

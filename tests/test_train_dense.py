@@ -149,3 +149,20 @@ def test_warm_start_from_the_16_token_model() -> None:
     assert all(torch.equal(new[k], v) for k, v in old.items() if k in new and new[k].shape == v.shape)
     acc = E.evaluate(parts["model"].eval(), parts["processor"], D.make_dense_split("val", 10), batch_size=64)
     assert (acc["color"] + acc["shape"]) / 2 >= 0.6, acc  # it already reads colours and shapes on 224 px scenes
+
+
+def test_balanced_aux_loss_weighs_labelled_patches_like_the_background() -> None:
+    """Balanced: (mean CE over labelled patches + mean CE over background patches) / 2, per head."""
+    torch.manual_seed(0)
+    head = M.AuxHead(8, {"digit": 11}, {}, balanced=True)
+    feats = torch.randn(2, 5, 8)
+    labels = {"digit": torch.tensor([[0, 0, 0, 0, 4], [0, 0, 7, 0, 0]])}
+    logits = head.heads["digit"](feats).reshape(-1, 11)
+    ce = [float(torch.nn.functional.cross_entropy(logits[i:i + 1], labels["digit"].flatten()[i:i + 1]))
+          for i in range(10)]
+    fg = [4, 7]
+    expected = 0.5 * np.mean([ce[i] for i in fg]) + 0.5 * np.mean([c for i, c in enumerate(ce) if i not in fg])
+    assert abs(float(head(feats, labels)) - expected) < 1e-5
+    plain = M.AuxHead(8, {"digit": 11}, {})
+    plain.load_state_dict(head.state_dict())
+    assert abs(float(plain(feats, labels)) - np.mean(ce)) < 1e-5
