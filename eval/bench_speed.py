@@ -156,6 +156,8 @@ def run_speed(args: argparse.Namespace) -> Path:
     write_csv(path, rows)
     if rows:
         write_report(path, out, max_spread=args.speed_max_spread)
+        print()
+        print((out / "speed.md").read_text())
     print(f"[bench] wrote {path} ({len(rows)} rows), {out / 'speed.md'} and plots")
     return path
 
