@@ -143,7 +143,7 @@ if [ "$QUICK" = 1 ]; then
 else
   COMMON=(--device "$DEVICE" --dtype bfloat16 --attn sdpa --speed-lm 7b --methods fastv,pdrop --keep 1,0.25,0.11
           --speed-new-tokens 32 --repeats 3 --threads 4)
-  LLAVA=(--speed-tokens 576,2880 --speed-batches 1,8)
+  LLAVA=(--speed-tokens 576,2880 --speed-batches 1,8 --methods fastv,pdrop,prefixkv)
   QWEN=(--speed-tokens 2304,video --speed-batches 1,8)
   LONG=(--speed-tokens 16384 --speed-batches 1)
 fi
@@ -173,6 +173,13 @@ if [ "$RUN" = 1 ]; then
     fi
   else
     skip flash-attn "needs CUDA and a full run"
+  fi
+  # The engine's contract on the device: keep=1 identity, batch == alone, cached decoding == the independent
+  # reference, SDPA and (if it imports) FlashAttention-2, bf16 (scripts/gpu_contract.py; ~30 s).
+  if [ "$QUICK" = 0 ]; then
+    step contract 90 "$PY" scripts/gpu_contract.py --device "$DEVICE" --out "$OUT/contract"
+  else
+    skip contract quick
   fi
 fi
 
