@@ -97,18 +97,30 @@ def dense_training_questions(sample: S.ImageSample, rng: np.random.Generator, ma
 
 
 class DenseData:
-    """Sample source for training: the dense stream with a curriculum on scene difficulty."""
+    """Sample source for training: the dense stream with curricula on scene difficulty and on reading.
 
-    def __init__(self, cfg: D.DenseConfig, curriculum_steps: int):
+    Scene: difficulty 0 -> 1 over the first ``curriculum_steps`` steps. Reading: from step ``read_from``,
+    the chance that a number repeats one digit (``444``: reading is then copying one digit, with no order
+    to find) falls from 1 to 0 over ``read_steps`` steps (no read curriculum when ``read_steps`` is 0).
+    """
+
+    def __init__(self, cfg: D.DenseConfig, curriculum_steps: int, read_steps: int = 0, read_from: int = 0):
         self.cfg, self.curriculum_steps = cfg, curriculum_steps
+        self.read_steps, self.read_from = read_steps, read_from
 
     def difficulty(self, step: int) -> float:
         """0 -> 1 linearly over the first ``curriculum_steps`` steps (1 throughout when 0)."""
         return 1.0 if self.curriculum_steps <= 0 else min(1.0, step / self.curriculum_steps)
 
+    def repeat_p(self, step: int) -> float:
+        """Chance of a one-digit-repeated number at ``step`` (read curriculum)."""
+        if self.read_steps <= 0 or step < self.read_from:
+            return 0.0
+        return float(max(0.0, 1.0 - (step - self.read_from) / self.read_steps))
+
     def train(self, step: int, batch: int) -> list[S.ImageSample]:
-        d = self.difficulty(step)
-        return [D.generate_dense_sample(S.SPLIT_SEEDS["train"], step * batch + i, self.cfg, d) for i in range(batch)]
+        d, r = self.difficulty(step), self.repeat_p(step)
+        return [D.generate_dense_sample(S.SPLIT_SEEDS["train"], step * batch + i, self.cfg, d, r) for i in range(batch)]
 
     def split(self, name: str, n: int) -> list[S.ImageSample]:
         return D.make_dense_split(name, n, self.cfg)
@@ -126,7 +138,7 @@ def build_dense_parts(args: argparse.Namespace) -> dict:
         "aux": M.AuxHead(model.config.vision_config.hidden_size, DENSE_AUX_HEADS, {}, balanced=args.aux_balanced),
         "batcher": M.LlavaBatcher(tok, args.image_size, args.patch_size, questions=dense_training_questions,
                                   labels=dense_patch_labels),
-        "data": DenseData(cfg, args.curriculum_steps),
+        "data": DenseData(cfg, args.curriculum_steps, args.read_curriculum, args.read_curriculum_from),
     }
 
 
@@ -161,6 +173,27 @@ def warm_start(model, path: str | Path) -> list[str]:
         else:
             raise ValueError(f"warm start: {key} has shape {tuple(old.shape)} in {path}, {tuple(dst.shape)} here")
     return notes
+
+
+def upweight_long_answers(labels: torch.Tensor, weights: torch.Tensor, factor: float) -> torch.Tensor:
+    """``weights`` with every answer longer than two tokens (a number: 2-3 digits and ``</s>``) times ``factor``.
+
+    ``tiny_models.answer_weights`` gives each answer total weight 1, so each digit of a three-digit number
+    weighs a quarter of an answer while a colour word weighs half; ``factor`` 3 lets each digit of a 3-digit
+    number count about as much as one word answer.
+    """
+    out = weights.clone()
+    for b in range(labels.shape[0]):
+        row = (labels[b] != -100).tolist()
+        t = 0
+        while t < len(row):
+            u = t
+            while u < len(row) and row[u]:
+                u += 1
+            if u - t > 2:
+                out[b, t:u] *= factor
+            t = u + 1 if u == t else u
+    return out
 
 
 def dense_card_data(args: argparse.Namespace) -> str:

@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
+    p.add_argument("--read-curriculum", type=int, default=0,
+                   help="dense: steps over which the share of one-digit-repeated numbers falls from 1 to 0")
+    p.add_argument("--read-curriculum-from", type=int, default=0, help="dense: step where that ramp starts")
+    p.add_argument("--read-weight", type=float, default=1.0,
+                   help="dense: loss weight of number answers (tiny_dense.upweight_long_answers)")
     p.add_argument("--aux-balanced", action="store_true",
                    help="dense: each aux head weighs its labelled patches as much as the background ones")
     p.add_argument("--video-clips", type=int, default=None,
@@ -169,7 +174,10 @@ class Trainer:
         lab = batch["labels"][:, 1:]
         ce = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab.flatten(), ignore_index=-100,
                                                reduction="none")
-        w = M.answer_weights(lab).flatten()
+        w = M.answer_weights(lab)
+        if self.a.read_weight != 1.0:
+            w = TD.upweight_long_answers(lab, w, self.a.read_weight)
+        w = w.flatten()
         lm = (ce * w).sum() / w.sum()
         aux = self.aux(self.feats.reshape(b, -1, self.feats.shape[-1]), batch["aux"])
         loss = lm + self.a.aux_weight * aux

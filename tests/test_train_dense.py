@@ -166,3 +166,12 @@ def test_balanced_aux_loss_weighs_labelled_patches_like_the_background() -> None
     plain = M.AuxHead(8, {"digit": 11}, {})
     plain.load_state_dict(head.state_dict())
     assert abs(float(plain(feats, labels)) - np.mean(ce)) < 1e-5
+
+
+def test_number_answers_can_be_upweighted() -> None:
+    """Answers of 3+ label tokens (numbers) get ``factor`` times their weight; word answers keep theirs."""
+    labels = torch.tensor([[-100, 5, 2, -100, 7, 8, 9, 2, -100, 6, 6, 2]])
+    w = M.answer_weights(labels)
+    up = TD.upweight_long_answers(labels, w, 3.0)
+    assert torch.allclose(up[0, 1:3], w[0, 1:3]) and torch.allclose(up[0, 4:8], 3 * w[0, 4:8])
+    assert torch.allclose(up[0, 9:], 3 * w[0, 9:]) and torch.allclose(up[0, 4:8].sum(), torch.tensor(3.0))
