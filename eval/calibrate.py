@@ -26,6 +26,7 @@ import vtprune
 from vtprune.config import Stage
 from vtprune.errors import UserError
 from vtprune.media.images import open_image
+from vtprune.media.video import frame_inputs
 from vtprune.methods import Scorer, resolve
 from vtprune.methods.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
 from vtprune.models.pipeline import build_inputs
@@ -114,6 +115,9 @@ def record(model: Any, processor: Any, items: list[tuple[Image.Image, str]], met
            batch_size: int = 16, progress: bool = True) -> tuple[dict[int, list[torch.Tensor]], list[torch.Tensor]]:
     """Raw score vectors per scoring layer and the matching padding fractions (``[N0]`` per prompt).
 
+    An item whose image is a list of images (all frames of a clip, several images) is one prompt with one
+    image placeholder per image (``vtprune.media.video``'s ``images`` route).
+
     With a LLaVA processor that pads to square (``do_pad=True``) the original image sizes feed the padding map.
     """
     recorder = Recorder(host=resolve(method), query=HOST_QUERIES[method])
@@ -122,9 +126,13 @@ def record(model: Any, processor: Any, items: list[tuple[Image.Image, str]], met
     pad_sizes = bool(getattr(getattr(processor, "image_processor", None), "do_pad", False))
     with vtprune.apply(model, recorder, keep=1.0, schedule=schedule) as handle:
         for chunk in tqdm(list(_batches(items, batch_size)), desc="calibrate", disable=not progress):
-            inputs = build_inputs(processor, [im for im, _ in chunk], [q for _, q in chunk], model.config.model_type)
+            images, questions = [im for im, _ in chunk], [q for _, q in chunk]
+            if isinstance(images[0], list):  # several images per prompt (all frames of a clip, multi-image)
+                inputs = frame_inputs(processor, model.config.model_type, images, questions, "images")
+            else:
+                inputs = build_inputs(processor, images, questions, model.config.model_type)
             inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-            if pad_sizes and handle.adapter.image_sizes_from_user:
+            if pad_sizes and handle.adapter.image_sizes_from_user and not isinstance(images[0], list):
                 handle.set_image_sizes([(im.height, im.width) for im, _ in chunk])
             with torch.inference_mode():
                 model(**inputs, logits_to_keep=1)

@@ -26,6 +26,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default=None,
                         help="folder of images (+ optional questions.jsonl); default: the vtprune-shapes calib split")
     parser.add_argument("--n", type=int_range(1, 1_000_000), default=256, help="number of calibration prompts (default 256)")
+    long = parser.add_mutually_exclusive_group()
+    long.add_argument("--video", action="store_true",
+                      help="long prompts: all frames of calib-split clips (16-32 frames), open-ended questions")
+    long.add_argument("--images-per-prompt", type=int_range(1, 64), default=None,
+                      help="long prompts: this many calib-split images per prompt, the target in one of them")
+    parser.add_argument("--frames", type=int_range(2, 256), default=None,
+                        help="with --video: clips of exactly this many frames (default: the split's 16-32)")
     parser.add_argument("--method", default="fastv",
                         help="host whose attention is fitted: fastv, pdrop, transprune; or prefixkv (a KV profile)")
     parser.add_argument("--scope", default="visual", choices=("visual", "prompt"),
@@ -57,12 +64,22 @@ def command_calibrate(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out!r}: the plot is written next to the JSON as .png; give a .json path.")
     check_output_file(out.with_suffix(".png"), "--out (its PNG plot)")
     check_load(args.model, args.device, args.attn, args.dtype)
-    items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
+    if (args.video or args.images_per_prompt) and args.data is not None:
+        raise UserError("--video / --images-per-prompt generate their prompts; they do not take --data.")
+    if args.video or args.images_per_prompt:
+        from vtprune.eval.long_items import calibration_prompts
+
+        items = calibration_prompts(args.n, args.video, args.images_per_prompt or 0, args.frames)
+    else:
+        items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     if method == "prefixkv":
         return _write_profile(args, out, model, processor, items)
     result = calibrate(model, processor, items, method, args.layer, args.batch_size, args.bins,
                        model_name=model_label(args.model))
+    if args.video or args.images_per_prompt:
+        result["data"] = (f"calib clips, all {args.frames or '16-32'} frames" if args.video
+                          else f"calib sets of {args.images_per_prompt} images")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     image = plot(result, out.with_suffix(".png"))
