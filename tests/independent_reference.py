@@ -89,16 +89,11 @@ def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], ke
     return model.lm_head(lm.norm(hidden)[0, -1])
 
 
-def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int]], steps: int,
-                     suppress: int, compact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy tokens ``[steps]`` and logits ``[steps, V]`` of one sample by recomputing every step.
-
-    ``suppress``: token ids below it are never chosen (the tests suppress placeholder tokens).
-    """
-    ids = inputs["input_ids"]
+def _greedy(step, ids: torch.Tensor, steps: int, suppress: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding with ``step(ids) -> [V]`` logits, tokens below ``suppress`` never chosen."""
     tokens, logits = [], []
     for _ in range(steps):
-        step_logits = reference_step(model, inputs, ids, stages, kept, compact).float()
+        step_logits = step(ids).float()
         choice = step_logits.clone()
         choice[:suppress] = float("-inf")
         token = int(choice.argmax())
@@ -106,6 +101,16 @@ def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int
         logits.append(step_logits)
         ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
     return torch.tensor(tokens), torch.stack(logits).cpu()
+
+
+def reference_decode(model, inputs: dict, stages: list[int], kept: list[list[int]], steps: int,
+                     suppress: int, compact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens ``[steps]`` and logits ``[steps, V]`` of one sample by recomputing every step.
+
+    ``suppress``: token ids below it are never chosen (the tests suppress placeholder tokens).
+    """
+    return _greedy(lambda ids: reference_step(model, inputs, ids, stages, kept, compact), inputs["input_ids"],
+                   steps, suppress)
 
 
 @torch.no_grad()
@@ -116,7 +121,6 @@ def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, 
     handed to each decoder layer: prompt queries attend causally to the whole prompt (as at prefill), generated
     queries at layer ``l`` to the prompt's text, ``kept[l]`` and the tokens generated so far. ``prompt``: the
     length of the prefilled prompt when ``inputs`` holds a longer conversation (a follow-up turn)."""
-    lm = _language_model(model)
     ids = inputs["input_ids"]
     prompt = ids.shape[1] if prompt is None else prompt
     visual = _visual_positions(model, ids)
@@ -126,38 +130,33 @@ def reference_decode_kv(model, inputs: dict, kept: list[list[int]], steps: int, 
         allowed[visual] = False
         allowed[visual[torch.tensor(layer_kept, dtype=torch.long, device=ids.device)]] = True
         allowed_prompt.append(allowed)
+    return _greedy(lambda current: _kv_step(model, inputs, current, prompt, allowed_prompt), ids, steps, suppress)
+
+
+def _kv_step(model, inputs: dict, ids: torch.Tensor, prompt: int, allowed_prompt: list[torch.Tensor]) -> torch.Tensor:
+    """Next-token logits ``[V]`` of ``ids`` with each layer's hand-built mask (see :func:`reference_decode_kv`)."""
     dtype = next(model.parameters()).dtype
-    tokens, logits = [], []
-    for _ in range(steps):
-        length = ids.shape[1]
-        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-        masks = []
-        for allowed_keys in allowed_prompt:
-            allowed = causal.clone()
-            allowed[prompt:, :prompt] &= allowed_keys[None, :]
-            masks.append(torch.zeros(1, 1, length, length, dtype=dtype, device=ids.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min))
+    length = ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+    masks = []
+    for allowed_keys in allowed_prompt:
+        allowed = causal.clone()
+        allowed[prompt:, :prompt] &= allowed_keys[None, :]
+        masks.append(torch.zeros(1, 1, length, length, dtype=dtype, device=ids.device).masked_fill(
+            ~allowed, torch.finfo(dtype).min))
 
-        def per_layer(mask):
-            return lambda module, args, kwargs: (args, {**kwargs, "attention_mask": mask})
+    def per_layer(mask):
+        return lambda module, args, kwargs: (args, {**kwargs, "attention_mask": mask})
 
-        hooks = [layer.register_forward_pre_hook(per_layer(masks[i]), with_kwargs=True)
-                 for i, layer in enumerate(lm.layers)]
-        full = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        if "mm_token_type_ids" in inputs:
-            given = inputs["mm_token_type_ids"]
-            full["mm_token_type_ids"] = torch.cat(
-                [given, torch.zeros(1, length - given.shape[1], dtype=given.dtype, device=given.device)], 1)
-        try:
-            step_logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
-                                **full).logits[0, -1].float()
-        finally:
-            for hook in hooks:
-                hook.remove()
-        choice = step_logits.clone()
-        choice[:suppress] = float("-inf")
-        token = int(choice.argmax())
-        tokens.append(token)
-        logits.append(step_logits)
-        ids = torch.cat([ids, torch.tensor([[token]], device=ids.device)], dim=1)
-    return torch.tensor(tokens), torch.stack(logits).cpu()
+    layers = _language_model(model).layers
+    hooks = [layer.register_forward_pre_hook(per_layer(masks[i]), with_kwargs=True) for i, layer in enumerate(layers)]
+    full = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    if "mm_token_type_ids" in inputs:
+        given = inputs["mm_token_type_ids"]
+        full["mm_token_type_ids"] = torch.cat(
+            [given, torch.zeros(1, length - given.shape[1], dtype=given.dtype, device=given.device)], 1)
+    try:
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **full).logits[0, -1]
+    finally:
+        for hook in hooks:
+            hook.remove()

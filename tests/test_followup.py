@@ -8,10 +8,11 @@ import functools
 
 import pytest
 import torch
+from cases import two_samples
 from independent_reference import reference_decode, reference_decode_kv
 
 import vtprune
-from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import SPECIAL_TOKENS, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 
@@ -29,10 +30,7 @@ def _model(model_type: str):
 
 
 def _samples(model_type: str) -> list:
-    if model_type.startswith("qwen"):
-        return [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
-    return [("what color is the circle?", [random_image(120, 90, 1)]),
-            ("how many squares are there?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
+    return two_samples(model_type)
 
 
 def _extend(tensor: torch.Tensor, width: int) -> torch.Tensor:

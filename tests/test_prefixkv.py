@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from cases import two_samples
 from independent_reference import reference_decode_kv
 
 import vtprune
@@ -22,7 +23,7 @@ from vtprune.methods.prefixkv import (
     read_profile,
     retention_curves,
 )
-from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import SPECIAL_TOKENS, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 
@@ -86,10 +87,7 @@ def _model(model_type: str, impl: str = "sdpa"):
 
 
 def _samples(model_type: str) -> list:
-    if model_type.startswith("qwen"):
-        return [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
-    return [("what color is the circle?", [random_image(120, 90, 1)]),
-            ("how many squares are there?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
+    return two_samples(model_type)
 
 
 def _generate(model, inputs):

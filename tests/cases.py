@@ -1,0 +1,14 @@
+"""Shared inputs of the engine tests: a ragged batch of two samples per model family."""
+
+from __future__ import annotations
+
+from vtprune.models.tiny import random_image
+
+
+def two_samples(model_type: str) -> list:
+    """Two (question, images) samples of different lengths: Qwen-VL one image each (different sizes), LLaVA
+    families one image and two images."""
+    if model_type.startswith("qwen"):
+        return [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 64, 2)])]
+    return [("what color is the circle?", [random_image(120, 90, 1)]),
+            ("how many squares are there?", [random_image(64, 80, 2), random_image(90, 60, 3)])]
