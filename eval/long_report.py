@@ -155,36 +155,52 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PALETTE = {"fastv": "C3", "pdrop": "C4", "transprune": "C5", "ttv": "C6", "dart": "teal", "divprune": "C8",
+           "visionzip": "C9", "vflowopt": "C0", "temporal": "C2", "fastv+debias": "C1", "pdrop+debias": "C1"}
+
+
+def line_style(method: str) -> dict:
+    """Colour by base method (oracle black, random grey); dashed: per-frame budgets; dotted: GridProbe / temporal."""
+    base = method.split("@")[0].replace("gridprobe+", "")
+    colour = {"oracle": "black", "random": "grey"}.get(base, PALETTE.get(base, "C0"))
+    dashed = "per_frame" in method or method.startswith("temporal@")
+    dotted = method.startswith("gridprobe")
+    marker = {"oracle": "s", "random": "x"}.get(base, "^" if dotted else "o")
+    return {"color": colour, "linestyle": ":" if dotted else "--" if dashed else "-", "marker": marker,
+            "markersize": 4, "linewidth": 1.2}
+
+
 def plot(rows: list[dict], meta: dict, path: Path) -> Path:
     """Accuracy and evidence recall versus keep, one panel pair per group, conditions in the footer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     groups = list(dict.fromkeys(r["group"] for r in rows))
-    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 3.6 * len(groups) + 0.6), squeeze=False)
+    fig, axes = plt.subplots(len(groups), 2, figsize=(13, 3.8 * len(groups) + 0.6), squeeze=False)
     for g, group in enumerate(groups):
         overall = [r for r in rows if r["group"] == group and r["qtype"] == "all"]
         base = [r for r in overall if r["method"] == "none"]
         methods = [m for m in dict.fromkeys(r["method"] for r in overall) if m not in ("none", "gridprobe")]
-        for i, method in enumerate(methods):
+        for method in methods:
             mine = sorted((float(r["keep"]), float(r["accuracy"]), float(r["evidence_recall"]))
                           for r in overall if r["method"] == method)
-            style = {"linestyle": "--" if "per_frame" in method else ":" if method.startswith(("gridprobe", "temporal"))
-                     else "-", "color": "grey" if method.split("@")[0] in ("random", "oracle") else f"C{i % 10}",
-                     "marker": "o", "markersize": 3, "label": method}
-            axes[g][0].plot([p[0] for p in mine], [p[1] for p in mine], **style)
-            axes[g][1].plot([p[0] for p in mine], [p[2] for p in mine], **style)
+            for ax, column in zip(axes[g], (1, 2), strict=True):
+                ax.plot([p[0] for p in mine], [p[column] for p in mine], label=method, **line_style(method))
         if base:
             axes[g][0].axhline(float(base[0]["accuracy"]), color="black", linewidth=0.8, label="unpruned")
         for ax, title in zip(axes[g], ("accuracy", "token evidence recall"), strict=True):
             ax.set_xscale("log")
+            ax.set_xticks(sorted({float(r["keep"]) for r in overall if float(r["keep"]) < 1}))
+            ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             ax.set_xlabel("keep")
             ax.set_ylim(-0.03, 1.03)
             ax.set_title(f"{group}: {title}")
             ax.grid(alpha=0.3)
-    axes[0][1].legend(fontsize=6, ncol=2, loc="lower right")
+    axes[0][1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.text(0.01, 0.005, f"{meta['model']}, {meta['setting']}, split {meta['split']}, cpu {meta['threads']} thread(s), "
              f"vtprune @ {meta['git_sha']}{dirty(meta)}, weights {meta.get('weights_sha', '?')}, {meta['date']}",
              fontsize=7)
