@@ -196,6 +196,26 @@ def upweight_long_answers(labels: torch.Tensor, weights: torch.Tensor, factor: f
     return out
 
 
+class DigitReadout:
+    """Auxiliary loss on the LM's own output at the digit tokens: each names its digit through the LM head.
+
+    The logits at visual positions are otherwise unused; training the ones over digit patches to predict
+    the digit's word (``0``..``9``) puts the digit, in the LM head's own basis, into the residual stream of
+    the digit tokens, so an answer position that attends to a digit token can pass it on as it is. No
+    attention weight is trained directly.
+    """
+
+    def __init__(self, tok):
+        self.image_id = tok.convert_tokens_to_ids("<image>")
+        self.ids = torch.tensor([0] + [tok.convert_tokens_to_ids(str(d)) for d in range(10)])
+
+    def loss(self, input_ids: torch.Tensor, logits: torch.Tensor, digit_labels: torch.Tensor) -> torch.Tensor:
+        """``logits`` [B, T, V] of ``input_ids`` [B, T]; ``digit_labels`` [B, P] (0 = no digit, d + 1)."""
+        visual = logits[input_ids == self.image_id].reshape(digit_labels.shape[0], digit_labels.shape[1], -1)
+        on = digit_labels > 0
+        return torch.nn.functional.cross_entropy(visual[on], self.ids[digit_labels[on]])
+
+
 def dense_card_data(args: argparse.Namespace) -> str:
     """The model card's data paragraph for the dense task version."""
     return (f"vtprune-shapes **dense** task version (`vtprune.eval.shapes_dense`, {D.DENSE_VERSION}): {args.image_size} "

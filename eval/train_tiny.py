@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-curriculum", type=int, default=0,
                    help="dense: steps over which the share of one-digit-repeated numbers falls from 1 to 0")
     p.add_argument("--read-curriculum-from", type=int, default=0, help="dense: step where that ramp starts")
+    p.add_argument("--digit-readout", type=float, default=0.0,
+                   help="dense: weight of the loss that makes the LM output at digit tokens name the digit")
     p.add_argument("--read-weight", type=float, default=1.0,
                    help="dense: loss weight of number answers (tiny_dense.upweight_long_answers)")
     p.add_argument("--aux-balanced", action="store_true",
@@ -181,6 +183,9 @@ class Trainer:
         lm = (ce * w).sum() / w.sum()
         aux = self.aux(self.feats.reshape(b, -1, self.feats.shape[-1]), batch["aux"])
         loss = lm + self.a.aux_weight * aux
+        if getattr(self.a, "digit_readout", 0.0):
+            readout = TD.DigitReadout(self.tok).loss(inputs["input_ids"], logits, batch["aux"]["digit"])
+            loss = loss + self.a.digit_readout * readout
         if self.a.video_clips:
             loss = loss + self.video_loss()
         self.opt.zero_grad(set_to_none=True)

@@ -175,3 +175,20 @@ def test_number_answers_can_be_upweighted() -> None:
     up = TD.upweight_long_answers(labels, w, 3.0)
     assert torch.allclose(up[0, 1:3], w[0, 1:3]) and torch.allclose(up[0, 4:8], 3 * w[0, 4:8])
     assert torch.allclose(up[0, 9:], 3 * w[0, 9:]) and torch.allclose(up[0, 4:8].sum(), torch.tensor(3.0))
+
+
+def test_digit_readout_scores_the_lm_output_at_digit_tokens_only() -> None:
+    """The loss reads the logits at the image-token positions, in patch order, and only where a digit is."""
+    tok = TD.build_dense_tokenizer()
+    readout = TD.DigitReadout(tok)
+    image = tok.convert_tokens_to_ids("<image>")
+    ids = torch.tensor([[1, image, image, image, 7], [1, image, image, image, 7]])  # 3 patches per image
+    labels = torch.tensor([[0, 5, 0], [0, 0, 10]])  # digit 4 on patch 1 of image 0, digit 9 on patch 2 of image 1
+    logits = torch.zeros(2, 5, len(tok))
+    logits[0, 2, tok.convert_tokens_to_ids("4")] = 3.0  # patch 1 of image 0 is at sequence position 2
+    logits[1, 3, tok.convert_tokens_to_ids("1")] = 3.0  # the wrong digit, on patch 2 of image 1
+    logits[0, 1, tok.convert_tokens_to_ids("7")] = 50.0  # a background patch: ignored
+    v = len(tok)
+    right = -torch.log_softmax(torch.tensor([3.0] + [0.0] * (v - 1)), 0)[0]
+    wrong = -torch.log_softmax(torch.tensor([3.0] + [0.0] * (v - 1)), 0)[1]
+    assert torch.allclose(readout.loss(ids, logits, labels), (right + wrong) / 2)
