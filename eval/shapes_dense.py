@@ -115,16 +115,11 @@ def _scene_spec(rng: np.random.Generator, n: int) -> tuple[list[tuple[str, str]]
     return list(zip(shapes, colors, strict=True)), count_shape
 
 
-def _render_number(rng: np.random.Generator, draw: ImageDraw.ImageDraw, cfg: DenseConfig, taken: list[S.Box],
-                   repeat_p: float = 0.0) -> tuple[str, list[S.SceneObject]]:
-    """A number with one digit per patch, on consecutive patches of one patch row.
-
-    With probability ``repeat_p`` every digit repeats the first one (``444``): the read curriculum.
-    """
+def _render_number(rng: np.random.Generator, draw: ImageDraw.ImageDraw, cfg: DenseConfig, taken: list[S.Box]
+                   ) -> tuple[str, list[S.SceneObject]]:
+    """A number with one digit per patch, on consecutive patches of one patch row."""
     lo, hi = cfg.number_range
     number = str(int(rng.integers(lo, hi + 1)))
-    if repeat_p > 0 and rng.random() < repeat_p:  # no draw at 0, so val/test streams never change
-        number = number[0] * len(number)
     g, p = cfg.grid, cfg.patch
     row, col0 = int(rng.integers(g)), int(rng.integers(0, g - len(number) + 1))
     ink = (20, 20, 20) if rng.random() < 0.5 else (245, 245, 245)
@@ -142,11 +137,10 @@ def _render_number(rng: np.random.Generator, draw: ImageDraw.ImageDraw, cfg: Den
     return number, digits
 
 
-def render_dense_scene(seed: int, index: int, cfg: DenseConfig, difficulty: float = 1.0, repeat_p: float = 0.0):
+def render_dense_scene(seed: int, index: int, cfg: DenseConfig, difficulty: float = 1.0):
     """Render one dense image: ``(image, objects, number, number_box, count_shape, rng)``.
 
-    ``SceneObject.quadrant`` holds the object's 3x3 cell name (:data:`CELLS`) in this task version;
-    ``repeat_p`` is the chance that the number repeats one digit (read curriculum, 0 for val/test).
+    ``SceneObject.quadrant`` holds the object's 3x3 cell name (:data:`CELLS`) in this task version.
     """
     rng = np.random.default_rng([int(seed), int(index), DENSE_STREAM])
     d = float(np.clip(difficulty, 0.0, 1.0))
@@ -158,7 +152,7 @@ def render_dense_scene(seed: int, index: int, cfg: DenseConfig, difficulty: floa
     hi = int(round(cfg.easy_objects[1] + d * (cfg.objects[1] - cfg.easy_objects[1])))
     spec, count_shape = _scene_spec(rng, int(rng.integers(lo, hi + 1)))
     taken: list[S.Box] = []
-    number, digits = _render_number(rng, draw, cfg, taken, repeat_p)
+    number, digits = _render_number(rng, draw, cfg, taken)
     objects: list[S.SceneObject] = []
     for shape, color in spec:
         side = int(rng.integers(cfg.object_px[0], cfg.object_px[1] + 1))
@@ -201,14 +195,14 @@ def make_dense_questions(rng: np.random.Generator, objects: list[S.SceneObject],
     return qs
 
 
-def generate_dense_sample(seed: int, index: int, cfg: DenseConfig | None = None, difficulty: float = 1.0,
-                          repeat_p: float = 0.0) -> S.ImageSample:
+def generate_dense_sample(seed: int, index: int, cfg: DenseConfig | None = None, difficulty: float = 1.0
+                          ) -> S.ImageSample:
     """Deterministic dense sample ``index`` of stream ``seed`` (same arguments -> identical pixels, questions).
 
-    ``difficulty`` (scene curriculum) and ``repeat_p`` (read curriculum) are for training; val/test use 1 and 0.
+    ``difficulty`` < 1 (the scene curriculum) is for training; val/test always use 1.
     """
     cfg = cfg or DenseConfig()
-    img, objects, number, number_box, count_shape, rng = render_dense_scene(seed, index, cfg, difficulty, repeat_p)
+    img, objects, number, number_box, count_shape, rng = render_dense_scene(seed, index, cfg, difficulty)
     qs = make_dense_questions(rng, objects, number, count_shape, cfg)
     return S.ImageSample(img, objects, number, number_box, qs, seed, index)
 

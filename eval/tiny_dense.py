@@ -97,30 +97,18 @@ def dense_training_questions(sample: S.ImageSample, rng: np.random.Generator, ma
 
 
 class DenseData:
-    """Sample source for training: the dense stream with curricula on scene difficulty and on reading.
+    """Sample source for training: the dense stream with a curriculum on scene difficulty."""
 
-    Scene: difficulty 0 -> 1 over the first ``curriculum_steps`` steps. Reading: from step ``read_from``,
-    the chance that a number repeats one digit (``444``: reading is then copying one digit, with no order
-    to find) falls from 1 to 0 over ``read_steps`` steps (no read curriculum when ``read_steps`` is 0).
-    """
-
-    def __init__(self, cfg: D.DenseConfig, curriculum_steps: int, read_steps: int = 0, read_from: int = 0):
+    def __init__(self, cfg: D.DenseConfig, curriculum_steps: int):
         self.cfg, self.curriculum_steps = cfg, curriculum_steps
-        self.read_steps, self.read_from = read_steps, read_from
 
     def difficulty(self, step: int) -> float:
         """0 -> 1 linearly over the first ``curriculum_steps`` steps (1 throughout when 0)."""
         return 1.0 if self.curriculum_steps <= 0 else min(1.0, step / self.curriculum_steps)
 
-    def repeat_p(self, step: int) -> float:
-        """Chance of a one-digit-repeated number at ``step`` (read curriculum)."""
-        if self.read_steps <= 0 or step < self.read_from:
-            return 0.0
-        return float(max(0.0, 1.0 - (step - self.read_from) / self.read_steps))
-
     def train(self, step: int, batch: int) -> list[S.ImageSample]:
-        d, r = self.difficulty(step), self.repeat_p(step)
-        return [D.generate_dense_sample(S.SPLIT_SEEDS["train"], step * batch + i, self.cfg, d, r) for i in range(batch)]
+        d = self.difficulty(step)
+        return [D.generate_dense_sample(S.SPLIT_SEEDS["train"], step * batch + i, self.cfg, d) for i in range(batch)]
 
     def split(self, name: str, n: int) -> list[S.ImageSample]:
         return D.make_dense_split(name, n, self.cfg)
@@ -138,7 +126,7 @@ def build_dense_parts(args: argparse.Namespace) -> dict:
         "aux": M.AuxHead(model.config.vision_config.hidden_size, DENSE_AUX_HEADS, {}, balanced=args.aux_balanced),
         "batcher": M.LlavaBatcher(tok, args.image_size, args.patch_size, questions=dense_training_questions,
                                   labels=dense_patch_labels),
-        "data": DenseData(cfg, args.curriculum_steps, args.read_curriculum, args.read_curriculum_from),
+        "data": DenseData(cfg, args.curriculum_steps),
     }
 
 
@@ -227,6 +215,17 @@ def dense_card_data(args: argparse.Namespace) -> str:
             f"of the image with a mask that shows each question only the image and itself; each answer weighs "
             f"the same in the loss. Validation = first {args.val_images} dense `val` images; test = first "
             f"{args.test_images} dense `test` images (all of their questions).")
+
+
+def dense_card_optim(args: argparse.Namespace) -> str:
+    """The model card's optimiser and auxiliary-loss paragraph for the dense task version."""
+    start = f"warm start from `{args.init_from}` (`tiny_dense.warm_start`); " if args.init_from else ""
+    return (f"{start}AdamW lr {args.lr}, betas 0.9/0.98, weight decay 0.05, {args.warmup} warmup steps then cosine "
+            f"to 5 %, batch {args.batch} images, grad clip 1.0, fp32, seed {args.seed}; auxiliary per-patch loss "
+            f"on the vision tower output (colour/shape/3x3 cell of the covering object, digit and its place in the "
+            f"number; weight {args.aux_weight}{', balanced' if args.aux_balanced else ''}); number answers weigh "
+            f"{args.read_weight}x; digit readout loss (the LM output at digit tokens names the digit, "
+            f"`tiny_dense.DigitReadout`) weight {args.digit_readout}. Auxiliary heads dropped at save.")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -61,9 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--aux-weight", type=float, default=1.0)
-    p.add_argument("--read-curriculum", type=int, default=0,
-                   help="dense: steps over which the share of one-digit-repeated numbers falls from 1 to 0")
-    p.add_argument("--read-curriculum-from", type=int, default=0, help="dense: step where that ramp starts")
     p.add_argument("--digit-readout", type=float, default=0.0,
                    help="dense: weight of the loss that makes the LM output at digit tokens name the digit")
     p.add_argument("--read-weight", type=float, default=1.0,
@@ -276,7 +273,7 @@ class Trainer:
                      f"loss); "
                      f"validation = first {a.val_images} `val` images; test = first {a.test_images} "
                      f"`test` images (all of their questions)."),
-            "optim": (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "
+            "optim": TD.dense_card_optim(a) if a.task == "dense" else (f"AdamW lr {a.lr}, betas 0.9/0.98, weight decay 0.05, {a.warmup} warmup steps then "
                       f"cosine to 5 %, batch {a.batch} images, grad clip 1.0, fp32, seed {a.seed}; "
                       f"auxiliary per-patch loss (colour/shape/digit/quadrant and the digit slots of "
                       f"`tiny_models.digit_slots`, weight {a.aux_weight}) "
