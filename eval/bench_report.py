@@ -150,6 +150,11 @@ def _fmt(value: str) -> str:
     return "n/a" if number != number else f"{number:.3f}"
 
 
+def line_style(index: int) -> dict:
+    """Colour, marker and dash of the ``index``-th method's line (10 colours, then new markers and dashes)."""
+    return {"color": f"C{index % 10}", "marker": "os^D"[index // 10 % 4], "linestyle": ("-", "--", ":", "-.")[index // 10 % 4]}
+
+
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """``accuracy_recall_vs_keep.png`` and ``accuracy_vs_prefill.png``, one line per method."""
     import matplotlib
@@ -161,14 +166,14 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     methods = sorted({r["method"] for r in overall}, key=lambda m: [r["method"] for r in overall].index(m))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     base = [r for r in overall if r["method"] == "none" and float(r["keep"]) == 1.0]
-    for method in methods:
+    for index, method in enumerate(methods):
         mine = [r for r in overall if r["method"] == method]
         if method != "none" and all(float(r["keep"]) < 1.0 for r in mine):
             mine = base + mine  # keep 1 ran once, as "none": the line starts at the unpruned model
         points = sorted((float(r["keep"]), float(r["accuracy"]), float(r["evidence_recall"])) for r in mine)
         keeps = [p[0] for p in points]
-        axes[0].plot(keeps, [p[1] for p in points], marker="o", label=method)
-        axes[1].plot(keeps, [p[2] for p in points], marker="o", label=method)
+        axes[0].plot(keeps, [p[1] for p in points], label=method, **line_style(index))
+        axes[1].plot(keeps, [p[2] for p in points], label=method, **line_style(index))
     for ax, title in zip(axes, ("accuracy", "evidence recall")):
         ax.set_xscale("log")
         ax.set_xlabel("keep (fraction of visual tokens)")
@@ -181,9 +186,9 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
     fig.savefig(first, dpi=120)
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in methods:
+    for index, method in enumerate(methods):
         points = sorted((float(r["prefill_ms_p50"]), float(r["accuracy"])) for r in overall if r["method"] == method)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=method, **line_style(index))
     ax.set_xlabel("measured prefill ms (p50, batch 1)")
     ax.set_ylabel("accuracy")
     ax.grid(alpha=0.3)
