@@ -31,20 +31,30 @@ def evictable_mask(view: Any, scope: str, start: int) -> torch.Tensor:
     return view.valid & (rank > start) & ~last
 
 
-def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch.Tensor) -> list[list[int]]:
-    """``[layer][sample]`` evictable tokens each layer keeps (one host transfer of the priorities)."""
-    keep = handle.config.keep
-    counts = evictable.sum(dim=1).tolist()
+def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch.Tensor, valid: torch.Tensor
+                 ) -> tuple[list[list[int]], list[int], list[int]]:
+    """``[layer][sample]`` evictable tokens each layer keeps, ``[sample]`` prompt tokens always kept and
+    ``[sample]`` evictable tokens.
+
+    One host transfer: the priorities ``[layers, B, L]`` and both masks travel together (the budget search of
+    :func:`layer_budgets` reads values in a loop, so it runs on the host copy).
+    """
     layers = priorities.shape[0]
+    search = handle.kv_ratios is None and handle.config.keep < 1.0
+    rows = [evictable.float(), valid.float()] + ([priorities.float().reshape(-1, priorities.shape[-1])]
+                                                 if search else [])
+    host = torch.cat(rows).numpy(force=True)
+    batch = evictable.shape[0]
+    mask, fixed = host[:batch] > 0, (host[batch:2 * batch] > 0) & ~(host[:batch] > 0)
+    counts, text = mask.sum(axis=1).tolist(), fixed.sum(axis=1).tolist()
     if handle.kv_ratios is not None:
         per_sample = [counts_from_ratios(handle.kv_ratios, n) for n in counts]
-    elif keep >= 1.0:
+    elif not search:
         per_sample = [[n] * layers for n in counts]
     else:
-        host = priorities.float().cpu()
-        mask = evictable.cpu()
-        per_sample = [layer_budgets(host[:, b][:, mask[b]], keep) for b in range(len(counts))]
-    return [[per_sample[b][layer] for b in range(len(counts))] for layer in range(layers)]
+        scores = host[2 * batch:].reshape(layers, batch, -1)
+        per_sample = [layer_budgets(scores[:, b][:, mask[b]], handle.config.keep) for b in range(batch)]
+    return [[per_sample[b][layer] for b in range(batch)] for layer in range(layers)], text, counts
 
 
 def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
@@ -52,13 +62,13 @@ def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
     view = call.views[0]
     priorities = torch.stack([call.method_state["kv_priority"][i] for i in range(handle.adapter.num_layers)])
     evictable = evictable_mask(view, handle.scorer.scope, handle.scorer.start)
-    counts = layer_counts(handle, priorities, evictable)
-    fixed = view.valid & ~evictable
-    text = fixed.sum(dim=1).tolist()
+    counts, text, evictable_counts = layer_counts(handle, priorities, evictable, view.valid)
+    width = max(evictable_counts, default=0)
+    device_counts = torch.tensor(counts, device=evictable.device)  # [layers, B]
     regions, ordinals, visual_kept = [], [], []
     for index, layer in enumerate(cache.layers):
-        kept_counts = torch.tensor(counts[index], device=evictable.device)
-        kept = select_kept(priorities[index].to(evictable.device), evictable, view.valid, kept_counts)
+        kept = select_kept(priorities[index].to(evictable.device), evictable, view.valid, device_counts[index],
+                           width=width, k_max=max(counts[index], default=0))
         lengths = [t + n for t, n in zip(text, counts[index], strict=True)]
         layout = repad_known(kept, call.left_padding, lengths)
         gather = layout.index.to(layer.keys.device)[:, None, :, None]
@@ -67,9 +77,11 @@ def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
         padded = min(lengths, default=0) != layout.index.shape[1]
         regions.append(DecodeRegion(valid=layout.valid, padded=padded))
         ordinals.append(torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1))
-        visual_kept.append((kept & view.visual).sum(dim=1))
+        if handle.scorer.scope != "visual":
+            visual_kept.append((kept & view.visual).sum(dim=1))
     call.stats.stage_layers, call.stats.retained_kv = list(range(len(regions))), True
-    call.stats.kept = torch.stack(visual_kept).tolist()  # visual tokens in each layer's cache, per sample
+    # visual tokens in each layer's cache, per sample (known on the host when only visual tokens are evictable)
+    call.stats.kept = counts if handle.scorer.scope == "visual" else torch.stack(visual_kept).tolist()
     call.stage_ordinals = ordinals
     call.regions = regions
     call.pre_llm_valid, call.pre_llm_padded = regions[0].valid, True  # layer 0 sizes transformers' masks

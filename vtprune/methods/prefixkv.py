@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vtprune.config import Stage
@@ -93,37 +94,40 @@ def counts_at(curves: torch.Tensor, threshold: float) -> torch.Tensor:
     return ((curves < threshold).sum(dim=1) + 1).clamp(max=curves.shape[1])
 
 
-def layer_budgets(priority: torch.Tensor, keep: float, iterations: int = 60) -> list[int]:
+def layer_budgets(priority: torch.Tensor | np.ndarray, keep: float, iterations: int = 60) -> list[int]:
     """Tokens each layer keeps (``[layers]``) so that together they keep ``keep`` of ``layers x N`` exactly.
 
-    priority: ``[layers, N]`` one sample's priorities of its evictable tokens. Bisection on the prefix threshold,
+    priority: ``[layers, N]`` one sample's priorities of its evictable tokens, on the host (a CPU tensor or an
+    array: the search reads values in a loop). Bisection on the prefix threshold of :func:`retention_curves`,
     then one token at a time: added where the next token has the largest priority share, removed where the
     last kept one has the smallest (never below 1 per layer).
     """
-    layers, n = priority.shape
+    values = np.asarray(priority, dtype=np.float64)
+    layers, n = values.shape
     if n == 0:
         return [0] * layers
     target = min(layers * n, max(layers, math.floor(keep * layers * n + 0.5)))
-    curves = retention_curves(priority)
+    ordered = -np.sort(-np.clip(values, 0.0, None), axis=1)
+    total = ordered.sum(axis=1, keepdims=True)
+    shares = np.where(total > 0, ordered / np.maximum(total, 1e-300), 1.0 / n)
+    curves = shares.cumsum(axis=1)
+
+    def counts(threshold: float) -> np.ndarray:
+        return np.minimum((curves < threshold).sum(axis=1) + 1, n)
+
     low, high = 0.0, 1.0 + 1e-9
     for _ in range(iterations):
         middle = (low + high) / 2
-        if int(counts_at(curves, middle).sum()) < target:
-            low = middle
+        low, high = (middle, high) if counts(middle).sum() < target else (low, middle)
+    kept = counts(high).tolist()
+    while sum(kept) != target:
+        if sum(kept) < target:
+            layer = max((i for i in range(layers) if kept[i] < n), key=lambda i: (shares[i, kept[i]], -i))
+            kept[layer] += 1
         else:
-            high = middle
-    counts = counts_at(curves, high).tolist()
-    shares = torch.diff(curves, dim=1, prepend=torch.zeros(layers, 1, dtype=curves.dtype))
-    while sum(counts) != target:
-        if sum(counts) < target:
-            growable = (i for i in range(layers) if counts[i] < n)
-            layer = max(growable, key=lambda i: (float(shares[i, counts[i]]), -i))
-            counts[layer] += 1
-        else:
-            shrinkable = (i for i in range(layers) if counts[i] > 1)
-            layer = min(shrinkable, key=lambda i: (float(shares[i, counts[i] - 1]), i))
-            counts[layer] -= 1
-    return counts
+            layer = min((i for i in range(layers) if kept[i] > 1), key=lambda i: (shares[i, kept[i] - 1], i))
+            kept[layer] -= 1
+    return kept
 
 
 def counts_from_ratios(ratios: list[float], n: int) -> list[int]:
