@@ -390,9 +390,3 @@ def write_split(out_dir: str | Path, split: str, n: int, cfg: ShapesConfig | Non
                 f.write(json.dumps(row) + "\n")
     return path
 
-
-def generate_video_sample(seed: int, index: int, cfg: ShapesConfig | None = None) -> VideoSample:
-    """Deterministic video clip (16-32 frames, evidence in 2-4 frames, A-D multiple choice); see shapes_video."""
-    from vtprune.eval.shapes_video import generate_video_sample as _gen
-
-    return _gen(seed, index, cfg)

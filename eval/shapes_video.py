@@ -4,7 +4,7 @@ Each clip has 16-32 frames over one textured background with a few static distra
 object (its shape, or its colour, unique in the clip) appears in 2-4 consecutive frames only. Questions are
 multiple choice with options A-D and end with "Answer with the letter."; ``Question.frames`` lists the
 evidence frames and ``Question.boxes`` the target's box in those frames. Public entry:
-:func:`vtprune.eval.shapes.generate_video_sample` (re-exported from here).
+:func:`generate_video_sample`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from vtprune.eval import shapes as S
+from vtprune.eval import shapes_video as V
 from vtprune.eval import tiny_dense as TD
 from vtprune.eval import tiny_eval as E
 from vtprune.eval import tiny_models as M
@@ -145,7 +146,7 @@ class Trainer:
         self.feats: torch.Tensor | None = None
         self.val = self.split("val", args.val_images)
         self.video_cfg = S.ShapesConfig()  # the video split is rendered at 112 px (16 Qwen tokens per frame)
-        self.val_clips = ([S.generate_video_sample(S.SPLIT_SEEDS["val"], i, self.video_cfg)
+        self.val_clips = ([V.generate_video_sample(S.SPLIT_SEEDS["val"], i, self.video_cfg)
                            for i in range(args.val_clips)] if args.video_clips else [])
 
     def split(self, name: str, n: int) -> list[S.ImageSample]:
@@ -195,7 +196,7 @@ class Trainer:
     def video_loss(self) -> torch.Tensor:
         """Answer loss on multiple-choice clip questions (frames as images; some without evidence)."""
         n = self.a.video_clips
-        clips = [S.generate_video_sample(S.SPLIT_SEEDS["train"], self.step * n + i, self.video_cfg) for i in range(n)]
+        clips = [V.generate_video_sample(S.SPLIT_SEEDS["train"], self.step * n + i, self.video_cfg) for i in range(n)]
         batch = self.video_batcher(clips, np.random.default_rng([self.a.seed, self.step, 1]))
         logits = self.model(**batch["inputs"]).logits
         lab = batch["labels"][:, 1:]
@@ -371,7 +372,7 @@ def run(args: argparse.Namespace) -> None:
     final.load_state_dict(tr.best[1])
     test = E.evaluate(final, tr.processor, tr.split("test", args.test_images))
     if args.video_clips:
-        clips = [S.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
+        clips = [V.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
         test.update(E.evaluate_video(final, tr.processor, clips))
     log("TEST " + " ".join(f"{k}={v:.3f}" for k, v in test.items()))
     tr.export(out, test_acc=test, status="finished")

@@ -12,7 +12,7 @@ CORE = ("vtprune.api", "vtprune.config", "vtprune.plan", "vtprune.engine", "vtpr
         "vtprune.calibration_check", "vtprune.method_config", "vtprune.flops", "vtprune.kv", "vtprune.adapters",
         "vtprune.kernels")
 APPLICATIONS = ("vtprune.__main__", "vtprune.cli", "vtprune.models", "vtprune.media", "vtprune.gridprobe", "vtprune.demo", "vtprune.eval")
-KNOWN_CYCLES: list[list[str]] = [["vtprune.eval.shapes", "vtprune.eval.shapes_video"]]  # to remove with its owner
+KNOWN_CYCLES: list[list[str]] = []
 
 
 def _graph():

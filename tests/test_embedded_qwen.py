@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from vtprune.eval import shapes as S  # noqa: E402
+from vtprune.eval import shapes_video as V  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
 
 from vtprune.models.embedded import embedded_model_path  # noqa: E402
@@ -42,7 +43,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def clips():
-    return [S.generate_video_sample(S.SPLIT_SEEDS["test"], i) for i in range(N_CLIPS)]
+    return [V.generate_video_sample(S.SPLIT_SEEDS["test"], i) for i in range(N_CLIPS)]
 
 
 def test_files_size_and_card() -> None:

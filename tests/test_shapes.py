@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from vtprune.eval import shapes as S
+from vtprune.eval import shapes_video as V
 
 CFG = S.ShapesConfig()
 SAMPLES = S.make_split("val", 120, CFG)
@@ -147,7 +148,7 @@ def test_write_split(tmp_path) -> None:
 def test_video_sample_evidence_frames() -> None:
     from vtprune.eval.shapes_video import make_video_split
 
-    a, b = S.generate_video_sample(11, 2, CFG), S.generate_video_sample(11, 2, CFG)
+    a, b = V.generate_video_sample(11, 2, CFG), V.generate_video_sample(11, 2, CFG)
     assert a.questions == b.questions
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a.frames, b.frames, strict=True))
     for clip in make_video_split("test", 6, CFG):
@@ -169,7 +170,7 @@ def test_open_form_of_a_clip_question() -> None:
     from vtprune.eval.shapes_video import open_form
 
     for index in range(5):
-        clip = S.generate_video_sample(S.SPLIT_SEEDS["test"], index)
+        clip = V.generate_video_sample(S.SPLIT_SEEDS["test"], index)
         for q in clip.questions:
             text, word = open_form(q)
             assert text.endswith("that appears in the video?") and "A." not in text

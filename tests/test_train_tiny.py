@@ -12,6 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vtprune.eval import shapes as S  # noqa: E402
+from vtprune.eval import shapes_video as V  # noqa: E402
 from vtprune.eval import tiny_models as M  # noqa: E402
 from vtprune.eval import tiny_qwen as Q  # noqa: E402
 from vtprune.eval import train_tiny as T  # noqa: E402
@@ -95,7 +96,7 @@ def test_resume_grows_optimizer_state_for_new_heads() -> None:
 
 
 def test_training_frames_control_evidence() -> None:
-    clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 3)
+    clip = V.generate_video_sample(S.SPLIT_SEEDS["train"], 3)
     q = clip.questions[0]
     for seed in range(20):
         with_ev = Q.training_frames(clip, q, np.random.default_rng(seed), p_evidence=1.0)
@@ -166,7 +167,7 @@ def test_qwen_video_batch_asks_each_question_as_letters_and_open_ended() -> None
     from vtprune.eval.shapes_video import open_form
 
     processor = Q.build_qwen_processor(Q.build_qwen_tokenizer(), 112)
-    clip = S.generate_video_sample(S.SPLIT_SEEDS["train"], 0)
+    clip = V.generate_video_sample(S.SPLIT_SEEDS["train"], 0)
     batch = Q.QwenVideoBatcher(processor)([clip], np.random.default_rng(0))
     tok = processor.tokenizer
     answers = [tok.convert_ids_to_tokens(row[labels != -100].tolist())
