@@ -371,5 +371,7 @@ def run_video(args: argparse.Namespace) -> Path:
         writer.writerows(rows)
     (out / "bench_video.md").write_text(markdown_table(rows))
     plot(rows, out / "video_accuracy_vs_flops.png")
+    print()
+    print((out / "bench_video.md").read_text())
     print(f"[bench --video] wrote {path}, {out / 'bench_video.md'} and {out / 'video_accuracy_vs_flops.png'}")
     return path

@@ -36,7 +36,7 @@ from vtprune.eval import tiny_eval as E
 from vtprune.eval import tiny_models as M
 from vtprune.eval import tiny_qwen as Q
 
-from vtprune.models.embedded import EMBEDDED_MODELS, MODELS_DIR
+from vtprune.models.embedded import EMBEDDED_MODELS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arch", choices=["llava", "qwen2_vl"], default="llava")
     p.add_argument("--task", choices=["shapes", "dense"], default="shapes",
                    help="task version: shapes (112 px, 16 tokens) or dense (224 px, 64 tokens, LLaVA only)")
-    p.add_argument("--out", type=Path, default=None, help="export folder (default: vtprune/models/<name>)")
+    p.add_argument("--out", type=Path, default=None, help="export folder (default: <workdir>/export; pass vtprune/models/<name> to replace a shipped model)")
     p.add_argument("--workdir", type=Path, default=None, help="checkpoints/logs (default: .train/<arch>)")
     p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
     p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     dense = args.task == "dense"
     workdir = args.workdir or (TD.DENSE_RUN_DIR if dense else Path(".train") / args.arch)
-    out = args.out or (workdir / "export" if dense else MODELS_DIR / EMBEDDED_MODELS[args.arch])
+    out = args.out or workdir / "export"  # never over the shipped models unless asked
     workdir.mkdir(parents=True, exist_ok=True)
     tr = Trainer(args)
     if args.arch == "llava":
