@@ -176,3 +176,17 @@ def test_quickstart_is_two_commands_and_ends_with_the_activation_step():
     assert [line.split()[0] for line in block.splitlines() if line.strip()] == ["./quickstart.sh", "./test.sh"]
     script = (root / "quickstart.sh").read_text()
     assert "setup.sh run" in script and "source .venv/bin/activate" in script
+
+
+def test_parity_release_is_checked_before_loading_and_shown(capsys, no_model):
+    """``--parity release`` on a method without a release rule fails before any model loads, naming the fix."""
+    code, _, err = _cli(capsys, "run", "--method", "random", "--parity", "release")
+    assert code == 2 and "--parity release is not available for --method random" in err
+    assert "pdrop" in err and "drop --parity" in err
+
+
+def test_parity_release_runs_and_says_so(capsys):
+    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--method", "pdrop", "--keep", "0.5", "--parity", "release")
+    assert code == 0 and "parity: release" in out
+    # pdrop keeps 8 of 16 at its last stage under either rounding rule; the label is what is checked here.
+    assert "16 tokens -> 8 kept" in out

@@ -146,7 +146,8 @@ def _print_run(record: dict) -> None:
     stages = ", ".join(f"layer {layer}: {kept}" for layer, kept in zip(record["stage_layers"], record["kept_per_stage"]))
     debias = f", debias: {record['debias']}" if record.get("debias") else ""
     keep = keep_label(record["keep"], record["requested_keep"], record["options"])
-    print(f"method    {record['method']} {keep}{debias}")
+    parity = ", parity: release (the method's released rules)" if record["options"].get("parity") == "release" else ""
+    print(f"method    {record['method']} {keep}{debias}{parity}")
     print(f"visual    {record['visual_tokens']} tokens -> {record['kept_tokens']} kept ({stages or 'no stage'})")
     print(f"prefill   {record['prefill_ms']:.2f} ms (median of 3, after warm-up)")
     for note in record.get("notes", []):

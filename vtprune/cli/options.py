@@ -41,6 +41,10 @@ def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debias", default=None,
                         help="debias attention scores: 'true' (the model's calibration.json, else the default "
                              "trend), 'false', or a file from `vtprune calibrate` (default: off)")
+    parser.add_argument("--parity", default=None, choices=("default", "release"),
+                        help="'release': the method's released code's rules (count truncation, position "
+                             "compaction, debias defaults) to reproduce a paper's table token for token; "
+                             "see docs/methods.md (default: vtprune's rules)")
     parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS,
                         help="attn_implementation the model runs with (flash_attention_2: CUDA and flash-attn)")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES,
@@ -61,7 +65,7 @@ class Pruning:
 
 def pruning_choice(args: argparse.Namespace) -> Pruning:
     """Resolve ``--method/--keep/--layer/--schedule/--debias/--config``; :class:`UserError` on conflicts."""
-    given = {"layer": args.layer, "schedule": args.schedule or None}
+    given = {"layer": args.layer, "schedule": args.schedule or None, "parity": getattr(args, "parity", None)}
     if getattr(args, "debias", None) is not None:
         given["debias"] = debias_option(args.debias)
     given = {k: v for k, v in given.items() if v is not None}
@@ -79,14 +83,21 @@ def check_pruning(choice: Pruning) -> None:
     from vtprune.config import PruneConfig, validate_stages
     from vtprune.methods import resolve
 
-    config_keys = ("schedule", "layer", "positions", "debias", "seed")
+    config_keys = ("schedule", "layer", "positions", "debias", "seed", "parity")
     fields = {k: v for k, v in choice.options.items() if k in config_keys}
     method_options = {k: v for k, v in choice.options.items() if k not in config_keys}
     try:
         config = PruneConfig(method=choice.method, keep=choice.keep, options=method_options, **fields)
         if config.stages:
             validate_stages(config.stages, 1 << 20)  # order and keep fractions now; the depth at wrap time
-        resolve(config.method, method_options, debias=config.debias)
+        scorer = resolve(config.method, method_options, debias=config.debias)
+        if config.parity == "release":
+            from vtprune.methods.release import methods_with_rules, release_rule
+
+            if release_rule(scorer) is None:
+                raise UserError(f"--parity release is not available for --method {choice.method}: vtprune has no "
+                                f"release rule for it (methods with one: {', '.join(methods_with_rules())}); "
+                                "drop --parity.")
     except UserError:
         raise
     except ValueError as error:
