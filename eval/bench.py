@@ -45,12 +45,26 @@ class Item:
     boxes: list
 
 
-def load_items(split: str, n_images: int) -> list[Item]:
-    """Every question of the first ``n_images`` images of ``split``."""
-    from vtprune.eval.shapes import make_split
+def load_items(split: str, n_images: int, task: str = "shapes") -> list[Item]:
+    """Every question of the first ``n_images`` images of ``split`` of the task version ``task``
+    (``"shapes"``: 112 px, 16 tokens on the embedded models; ``"dense"``: 224 px, 6-12 objects, ``where3``)."""
+    if task == "dense":
+        from vtprune.eval.shapes_dense import make_dense_split as make_split
+    else:
+        from vtprune.eval.shapes import make_split
 
     return [Item(s.image, q.text, q.answer, q.qtype, q.boxes) for s in make_split(split, n_images)
             for q in s.questions]
+
+
+def task_for(model_spec: str | None, task: str) -> str:
+    """``--task auto``: the dense version for the 64-token embedded LLaVA, the first version otherwise."""
+    if task != "auto":
+        return task
+    from vtprune.models.embedded import EMBEDDED_MODELS
+
+    spec = str(model_spec or "")
+    return "dense" if spec == "embedded:llava64" or EMBEDDED_MODELS.get("llava64", "?") in spec else "shapes"
 
 
 def evidence_weights(item: Item, segments) -> torch.Tensor:
@@ -205,7 +219,8 @@ def run(args: argparse.Namespace) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, processor = load(args.model, args.attn, args.dtype, args.device)
-    items = load_items(args.split, args.images)
+    task = task_for(args.model, getattr(args, "task", "auto"))
+    items = load_items(args.split, args.images, task)
     out.mkdir(parents=True, exist_ok=True)
     env = conditions(model, args)
     text_tokens = _text_tokens(model, processor, items[0])
@@ -217,7 +232,7 @@ def run(args: argparse.Namespace) -> Path:
     for method, keep in plan:
         records = evaluate(model, processor, items, method, keep, args.batch_size, progress)
         timing = timing_ms(model, processor, items[: args.timing_samples], method, keep, args.repeats)
-        common = {"model": model_label(args.model), "method": method, "keep": keep,
+        common = {"model": model_label(args.model), "task": task, "method": method, "keep": keep,
                   **cost(model, records, text_tokens), **timing, **env}
         for qtype, summary in summarise(records).items():
             rows.append({**common, "qtype": qtype, **summary})
@@ -265,6 +280,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--keep", default=DEFAULT_KEEPS, type=keep_list,
                         help="comma-separated keep fractions (keep 1 runs once, as 'none')")
     parser.add_argument("--split", default="test", choices=SPLITS, help="vtprune-shapes split")
+    parser.add_argument("--task", default="auto", choices=("auto", "shapes", "dense"),
+                        help="task version: shapes (112 px, the 16-token models) or dense (224 px, 6-12 objects, "
+                             "3x3 where; the 64-token model); auto picks dense for embedded:llava64")
     parser.add_argument("--images", type=int_range(1, 100_000), default=100,
                         help="images of the split (about 6 questions each)")
     parser.add_argument("--batch-size", type=int_range(1, 4096), default=32, help="questions per generate() call")

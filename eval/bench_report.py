@@ -50,7 +50,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['method']} | {float(r['keep']):g} | {float(r['accuracy']):.3f} | "
                      f"{_fmt(r['evidence_recall'])} | {float(r['mean_kept']):.1f} | {float(r['flops_ratio']):.3f} | "
                      f"{float(r['prefill_ms_p50']):.2f} |")
-    lines += ["", *LEGEND]
+    visual = max((float(r["mean_kept"]) for r in overall if r["method"] == "none"), default=16.0)
+    lines += ["", *legend(int(round(visual)))]
     lines += _per_type_table(rows, "accuracy", "Accuracy per question type:", lambda v: f"{float(v):.2f}")
     lines += _per_type_table(rows, "evidence_recall", "Evidence recall per question type:", _fmt)
     lines += ["", *goal_summary(rows)]
@@ -63,18 +64,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-LEGEND = (
-    "Columns: *accuracy*, exact match of the one-word answer; *evidence recall*, the fraction of the visual "
-    "tokens that cover the answer's object(s) (known from the generator's boxes) still kept after the last "
-    "stage (1 = nothing relevant dropped); *kept tokens*, visual tokens left after the last stage (mean); "
-    "*FLOPs ratio*, LM prefill FLOPs pruned / unpruned from the kept counts per layer (theory; vision tower "
-    "not counted); *prefill p50 ms*, the measured prompt forward (vision tower + LM) at batch 1, median.",
-    "",
-    "On a model this small (16 visual tokens, 4 layers) the text tokens and the fixed cost of scoring and "
-    "slicing dominate, so a pruned prefill is often no faster, or slower, than the unpruned one and the "
-    "timings are within noise; `vtprune bench --speed` measures speed at realistic geometry (576 to 2880 "
-    "visual tokens). Keep 1 is the unpruned model, run once as `none`: every method keeps every token there.",
-)
+def legend(visual_tokens: int = 16) -> tuple[str, ...]:
+    """The paragraphs under the overall table (``visual_tokens``: the unpruned model's visual tokens per image)."""
+    return (
+        "Columns: *accuracy*, exact match of the one-word answer; *evidence recall*, the fraction of the visual "
+        "tokens that cover the answer's object(s) (known from the generator's boxes) still kept after the last "
+        "stage (1 = nothing relevant dropped); *kept tokens*, visual tokens left after the last stage (mean); "
+        "*FLOPs ratio*, LM prefill FLOPs pruned / unpruned from the kept counts per layer (theory; vision tower "
+        "not counted); *prefill p50 ms*, the measured prompt forward (vision tower + LM) at batch 1, median.",
+        "",
+        f"On a model this small ({visual_tokens} visual tokens, 4 layers) the text tokens and the fixed cost of "
+        "scoring and slicing dominate, so a pruned prefill is often no faster, or slower, than the unpruned one and the "
+        "timings are within noise; `vtprune bench --speed` measures speed at realistic geometry (576 to 2880 "
+        "visual tokens). Keep 1 is the unpruned model, run once as `none`: every method keeps every token there.",
+    )
 
 
 def _per_type_table(rows: list[dict], column: str, title: str, fmt) -> list[str]:

@@ -11,10 +11,10 @@ QWEN=vtprune/models/vtprune-qwen2vl-shapes
 $V calibrate --model embedded:llava --method pdrop --out $LLAVA/calibration.json
 $V calibrate --model embedded:qwen2_vl --method pdrop --out $QWEN/calibration.json
 $V bench --images 100 --threads 2 \
-  --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv,vflowopt,visionzip,divprune,dart \
+  --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv,vflowopt,visionzip,divprune,dart,prefixkv \
   --keep 1,0.5,0.33,0.25,0.11 --out docs/results/embedded-llava
 $V bench --model embedded:qwen2_vl --images 100 --threads 2 \
-  --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv,vflowopt,visionzip,divprune,dart \
+  --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv,vflowopt,visionzip,divprune,dart,prefixkv \
   --keep 1,0.5,0.33,0.25,0.11 --out docs/results/embedded-qwen2vl
 $V bench --video --model embedded:qwen2_vl --clips 30 --threads 2 --open-ended --answer score \
   --methods none,fastv,pdrop,fastv@per_frame,pdrop@per_frame,temporal,temporal@fastv \

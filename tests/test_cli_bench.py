@@ -83,3 +83,14 @@ def test_speed_proxy_runs_and_reports_overhead(tmp_path):
         row = [r for r in csv.DictReader(f) if r["method"] == "fastv" and float(r["keep"]) == 0.25][0]
     assert float(row["predicted_prefill"]) > 1.0 and float(row["speedup_prefill"]) > 0
     assert torch.isfinite(torch.tensor(float(row["hook_overhead_pct"])))
+
+
+def test_dense_task_items_for_the_64_token_model():
+    """``--task auto`` picks the dense version for embedded:llava64 only; its items are 224 px with where3."""
+    from vtprune.eval.bench import task_for
+
+    assert task_for("embedded:llava64", "auto") == "dense" and task_for(None, "auto") == "shapes"
+    assert task_for("embedded:llava", "auto") == "shapes" and task_for("embedded:llava", "dense") == "dense"
+    items = load_items("test", 2, "dense")
+    assert {item.image.size for item in items} == {(224, 224)}
+    assert "where3" in {item.qtype for item in items} and "where" not in {item.qtype for item in items}
