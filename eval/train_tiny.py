@@ -81,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from <workdir>/ckpt.pt")
     p.add_argument("--resume-from", type=Path, default=None,
                    help="continue from this checkpoint file (e.g. the committed compact one) when the workdir has none")
+    p.add_argument("--finish", action="store_true",
+                   help="with --resume: train no further; test the best checkpoint and export it as finished")
     p.add_argument("--leg-minutes", type=float, default=None,
                    help="stop this process after so many training minutes, checkpoint saved, no test (resume later)")
     a = p.parse_args(argv)
@@ -90,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--task dense trains the LLaVA architecture (--arch llava)")
     if a.minutes is None and a.steps is None:
         p.error("give --minutes and/or --steps")
+    if a.finish and not (a.resume or a.resume_from):
+        p.error("--finish tests a checkpoint: give --resume (or --resume-from FILE)")
     if a.video_clips is None:
         a.video_clips = 4 if a.arch == "qwen2_vl" else 0
     if a.video_clips and a.arch == "llava":
@@ -346,7 +350,7 @@ def run(args: argparse.Namespace) -> None:
     log(f"params {sum(p.numel() for p in tr.model.parameters()):,}; out={out}")
     t_last, s_last, last_export = time.time(), tr.step, tr.elapsed
     lm_avg = aux_avg = None
-    while tr.progress() < 1.0:
+    while tr.progress() < 1.0 and not args.finish:
         if tr.elapsed >= leg_end:
             if lm_avg is not None:
                 tr.evaluate_and_export(lm_avg, aux_avg, out, workdir)
@@ -375,7 +379,8 @@ def run(args: argparse.Namespace) -> None:
         clips = [V.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
         test.update(E.evaluate_video(final, tr.processor, clips))
     log("TEST " + " ".join(f"{k}={v:.3f}" for k, v in test.items()))
-    tr.export(out, test_acc=test, status="finished")
+    status = f"finished at step {tr.step} of {args.steps}" if args.finish and args.steps else "finished"
+    tr.export(out, test_acc=test, status=status)
 
 
 def main(argv: list[str] | None = None) -> None:

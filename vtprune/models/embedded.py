@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-EMBEDDED_MODELS: dict[str, str] = {"llava": "vtprune-llava-shapes", "qwen2_vl": "vtprune-qwen2vl-shapes"}
+EMBEDDED_MODELS: dict[str, str] = {"llava": "vtprune-llava-shapes", "qwen2_vl": "vtprune-qwen2vl-shapes",
+                                   "llava64": "vtprune-llava64-shapes"}
 MODELS_DIR = Path(__file__).resolve().parent
 
 
@@ -18,10 +19,9 @@ def embedded_model_path(name: str = "llava") -> Path:
         raise KeyError(f"unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}")
     path = MODELS_DIR / EMBEDDED_MODELS[name]
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        raise FileNotFoundError(
-            f"embedded model {name!r} not found at {path}. Train it with: "
-            f"python -m vtprune.eval.train_tiny --arch {name} --minutes 80 --out {path}"
-        )
+        how = ("the recipe in its model card (python -m vtprune.eval.train_tiny --task dense ...)" if name == "llava64"
+               else f"python -m vtprune.eval.train_tiny --arch {name} --minutes 80 --out {path}")
+        raise FileNotFoundError(f"embedded model {name!r} not found at {path}. Train it with: {how}")
     return path
 
 

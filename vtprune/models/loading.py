@@ -2,7 +2,8 @@
 
 ``spec`` forms accepted everywhere a ``--model`` is taken:
 
-* ``None`` / ``"embedded"`` / ``"embedded:llava"`` / ``"embedded:qwen2_vl"``: models shipped in the package;
+* ``None`` / ``"embedded"`` / ``"embedded:llava"`` / ``"embedded:qwen2_vl"`` / ``"embedded:llava64"``: models
+  shipped in the package;
 * ``"tiny:<model_type>"``: a random tiny model built from config (tests, smoke runs);
 * a local folder or a hub id (``llava-hf/llava-1.5-7b-hf``, ``Qwen/Qwen2.5-VL-7B-Instruct``): the real
   ``from_pretrained`` path.
