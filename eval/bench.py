@@ -59,12 +59,9 @@ def load_items(split: str, n_images: int, task: str = "shapes") -> list[Item]:
 
 def task_for(model_spec: str | None, task: str) -> str:
     """``--task auto``: the dense version for the 64-token embedded LLaVA, the first version otherwise."""
-    if task != "auto":
-        return task
-    from vtprune.models.embedded import EMBEDDED_MODELS
+    from vtprune.models.embedded import task_of
 
-    spec = str(model_spec or "")
-    return "dense" if spec == "embedded:llava64" or EMBEDDED_MODELS.get("llava64", "?") in spec else "shapes"
+    return task_of(model_spec) if task == "auto" else task
 
 
 def evidence_weights(item: Item, segments) -> torch.Tensor:

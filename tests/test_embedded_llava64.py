@@ -64,3 +64,17 @@ def test_loads_through_vtprune_and_prunes(loaded) -> None:
     with vtprune.apply(model, method="fastv", keep=0.5):
         answers = E.answer_batch(model, processor, [im for im, _ in items], [q.text for _, q in items])
     assert sum(a == q.answer for a, (_, q) in zip(answers, items, strict=True)) >= 0.5 * len(items)
+
+
+def test_commands_use_the_dense_task_for_it(capsys) -> None:
+    """``vtprune run --model embedded:llava64`` asks about a dense-task image (224 px), not a 112 px one."""
+    import json
+
+    import vtprune.cli as cli
+    from vtprune.models.embedded import task_of
+
+    assert task_of("embedded:llava64") == "dense" and task_of(str(embedded_model_path("llava64"))) == "dense"
+    assert task_of(None) == task_of("embedded:llava") == task_of("llava-hf/llava-1.5-7b-hf") == "shapes"
+    assert cli.main(["run", "--model", "embedded:llava64", "--device", "cpu", "--keep", "0.5", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["visual_tokens"] == 64 and record["answer"] == record["expected"]

@@ -63,9 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=command_info)
 
 
-def _sample(index: int):
-    from vtprune.eval.shapes import make_split
+def _sample(index: int, model: str | None = None):
+    from vtprune.models.embedded import task_of
 
+    if task_of(model) == "dense":
+        from vtprune.eval.shapes_dense import make_dense_split as make_split
+    else:
+        from vtprune.eval.shapes import make_split
     sample = make_split("test", 1, offset=index)[0]  # sample `index` of the split, generated alone
     question = sample.questions[0]
     return sample.image, question.text, question.answer
@@ -94,7 +98,7 @@ def command_run(args: argparse.Namespace) -> int:
     check_depth(pruning, args.model)
     expected = None
     if args.image is None:
-        image, question, expected = _sample(args.sample)
+        image, question, expected = _sample(args.sample, args.model)
         question = _question(args, question)
     else:
         image = open_image(args.image)

@@ -7,6 +7,15 @@ from pathlib import Path
 EMBEDDED_MODELS: dict[str, str] = {"llava": "vtprune-llava-shapes", "qwen2_vl": "vtprune-qwen2vl-shapes",
                                    "llava64": "vtprune-llava64-shapes"}
 MODELS_DIR = Path(__file__).resolve().parent
+DENSE_MODELS = frozenset({"llava64"})  # trained on the dense task version (224 px, 6-12 objects, where3)
+
+
+def task_of(spec: str | None) -> str:
+    """The vtprune-shapes version a model spec answers: ``"dense"`` for ``embedded:llava64`` (or its folder),
+    ``"shapes"`` (112 px, 16 tokens) for everything else."""
+    text = str(spec or "")
+    dense = {f"embedded:{n}" for n in DENSE_MODELS} | {EMBEDDED_MODELS[n] for n in DENSE_MODELS}
+    return "dense" if text in dense or Path(text).name in dense else "shapes"
 
 
 def embedded_model_path(name: str = "llava") -> Path:
