@@ -109,7 +109,8 @@ def pooled(rows: list[dict], method: str, keep: float, qtypes: list[str], column
 
 
 def goal_summary(rows: list[dict]) -> list[str]:
-    """The benchmark targets (recall >= 0.8 at keep 0.25; >= 97 % / 93 % of unpruned accuracy at keep 0.25 / 0.11).
+    """The benchmark targets (recall >= 0.8 at keep 0.25; >= 97 % / 93 % / 90 % of unpruned accuracy at keep 0.25 /
+    0.11 / 0.1: the last is the long-context target of the 64-token model).
 
     Recall is given over all questions and over the question types the unpruned model answers: on a type it
     never answers (for example reading numbers on a model that did not learn to read), its attention does not
@@ -127,7 +128,7 @@ def goal_summary(rows: list[dict]) -> list[str]:
     answered = answered_types(rows)
     lines = ["Targets set for the criteria on this task (the best criterion at each keep; reference lines "
              "and KV-cache-only methods excluded). They describe the methods, not whether this run worked:", ""]
-    for keep, goal in ((0.25, 0.97), (0.11, 0.93)):
+    for keep, goal in ((0.25, 0.97), (0.11, 0.93), (0.1, 0.90)):
         scored = [(float(overall[m, keep]["accuracy"]), m) for m in methods if (m, keep) in overall]
         if scored:
             acc, m = max(scored)
