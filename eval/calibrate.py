@@ -36,14 +36,18 @@ HOST_QUERIES = {"fastv": "last", "pdrop": "last", "transprune": "instruction"}
 DEFAULT_QUESTION = "What is in the image?"
 
 
-def calibration_items(data: str | None, n: int) -> list[tuple[Image.Image, str]]:
-    """``n`` (image, question) pairs: the vtprune-shapes ``calib`` split, or a folder of images.
+def calibration_items(data: str | None, n: int, task: str = "shapes") -> list[tuple[Image.Image, str]]:
+    """``n`` (image, question) pairs: the vtprune-shapes ``calib`` split (``task="dense"``: its dense version,
+    for ``embedded:llava64``), or a folder of images.
 
     A folder may hold ``questions.jsonl`` (rows with ``image``, a path relative to the folder, and
     ``question``); otherwise every ``*.png`` / ``*.jpg`` / ``*.jpeg`` is asked ``DEFAULT_QUESTION``.
     """
     if data is None:
-        from vtprune.eval.shapes import make_split
+        if task == "dense":
+            from vtprune.eval.shapes_dense import make_dense_split as make_split
+        else:
+            from vtprune.eval.shapes import make_split
 
         samples = make_split("calib", n)
         return [(s.image, s.questions[i % len(s.questions)].text) for i, s in enumerate(samples)]

@@ -71,7 +71,10 @@ def command_calibrate(args: argparse.Namespace) -> int:
 
         items = calibration_prompts(args.n, args.video, args.images_per_prompt or 0, args.frames)
     else:
-        items = calibration_items(args.data, args.n)  # reads the images now: a bad file fails before the model loads
+        from vtprune.models.embedded import task_of
+
+        # reads the images now: a bad file fails before the model loads
+        items = calibration_items(args.data, args.n, task_of(args.model))
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     if method == "prefixkv":
         return _write_profile(args, out, model, processor, items)

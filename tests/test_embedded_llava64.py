@@ -78,3 +78,10 @@ def test_commands_use_the_dense_task_for_it(capsys) -> None:
     assert cli.main(["run", "--model", "embedded:llava64", "--device", "cpu", "--keep", "0.5", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["visual_tokens"] == 64 and record["answer"] == record["expected"]
+
+
+def test_calibration_uses_the_dense_calib_split_and_ships() -> None:
+    from vtprune.eval.calibrate import calibration_items
+
+    assert {image.size for image, _ in calibration_items(None, 3, "dense")} == {(224, 224)}
+    assert (embedded_model_path("llava64") / "calibration.json").is_file()  # +debias uses the fitted trend
