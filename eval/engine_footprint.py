@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 from vtprune.eval.provenance import git_state, weights_fingerprint
 
-METHODS = ("fastv", "pdrop", "transprune", "vflowopt", "random@0")
+METHODS = ("fastv", "pdrop", "transprune", "vflowopt", "prefixkv", "visionzip", "divprune", "dart", "random@0")
 
 
 def reachable_bytes(root: object, skip: tuple[object, ...]) -> int:

@@ -15,7 +15,8 @@ from ._dispatch import device_guard, load_triton_module, resolve_impl
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _validate(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, num_targets: int) -> None:
+def _validate(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, num_targets: int,
+              values: bool = True) -> None:
     """Raise ``ValueError`` naming the offending value when the inputs break the contract."""
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or not x.is_floating_point():
         desc = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -33,7 +34,7 @@ def _validate(x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, num_t
         raise ValueError(f"assign must be an integer tensor, got {assign.dtype}; use torch.long.")
     if not weight.is_floating_point():
         raise ValueError(f"weight must be floating point, got {weight.dtype}; use weight.float().")
-    if assign.numel() == 0:
+    if assign.numel() == 0 or not values:
         return
     bad = (assign < -1) | (assign >= num_targets)
     if bool(bad.any()):
@@ -80,7 +81,8 @@ def merge_tokens_torch(
 
 
 def merge_tokens(
-    x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, num_targets: int, impl: str = "auto"
+    x: torch.Tensor, assign: torch.Tensor, weight: torch.Tensor, num_targets: int, impl: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """Weighted mean of the tokens assigned to each target.
 
@@ -90,6 +92,8 @@ def merge_tokens(
         weight: ``[B, N]`` float weights ``>= 0`` (e.g. ToMe token sizes); ignored for dropped tokens.
         num_targets: ``T``, the number of output tokens per sample.
         impl: ``"auto"``, ``"triton"`` or ``"torch"``.
+        check: validate the values of ``assign`` and ``weight`` (reads them back: a host-device sync); shapes
+            and dtypes are always checked. Pass False on a hot path whose inputs are valid by construction.
 
     Returns:
         ``[B, T, D]`` in ``x.dtype``; a target whose total weight is 0 is all zeros.
@@ -97,7 +101,7 @@ def merge_tokens(
     Raises:
         ValueError: bad shapes/dtypes, ``assign`` outside ``[-1, T)``, negative or non-finite weights.
     """
-    _validate(x, assign, weight, num_targets)
+    _validate(x, assign, weight, num_targets, values=check)
     bsz, n_tok, dim = x.shape
     if num_targets == 0 or n_tok == 0 or bsz == 0 or dim == 0:
         return torch.zeros(bsz, num_targets, dim, dtype=x.dtype, device=x.device)

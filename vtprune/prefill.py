@@ -156,12 +156,15 @@ def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageV
     counts_t = torch.minimum(call.stage_counts[index].to(device), view.alive_count)
     kept = select_kept(scores.to(device), view.visual, view.valid, counts_t,
                        width=max(view.alive, default=0), k_max=max(counts, default=0))
-    merge, merged = merge_step(scorer), None
-    if merge is not None:  # an explicit step after selection: it may change the mask, so read the counts
+    merge, merged, changed = merge_step(scorer), None, False
+    if merge is not None:  # an explicit step after selection: a new mask may change the counts
         before = hidden.clone() if handle.observers else None
+        selected = kept
         kept, hidden = merge(ctx, kept, scores, hidden)
+        changed = kept is not selected  # a merge step that keeps the selection returns the same mask object
         if before is not None and before.shape == hidden.shape:
             merged = (hidden != before).any(dim=-1) & kept & view.visual
+    if changed:  # read the counts back (one sync, only at a stage whose merge step ran)
         counts_t = (kept & view.visual).sum(dim=1)
         alive, lengths = torch.stack([counts_t, kept.sum(dim=1)]).tolist()
     else:

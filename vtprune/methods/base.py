@@ -12,7 +12,8 @@ sample at each stage of the plan. Everything else is optional:
   of :mod:`vtprune.methods.schedules`).
 * :meth:`captures`: extra tensors to capture (hooks the engine registers, stores per call and removes).
 * ``merge(ctx, kept, scores, hidden) -> (kept, hidden)``: an explicit step after selection that may change
-  the kept mask and write merged tokens (VFlowOpt's recycling); define it only if the scorer merges.
+  the kept mask and write merged tokens (VFlowOpt's recycling); define it only if the scorer merges. Return
+  the ``kept`` object itself when the selection is unchanged: the engine then reads no counts back.
 
 A user-defined scorer needs no registration: pass an instance to :func:`vtprune.wrap`.
 """

@@ -34,22 +34,28 @@ def cosine_distance(x: torch.Tensor) -> torch.Tensor:
 
 
 def max_min_order(distance: torch.Tensor, steps: int) -> torch.Tensor:
-    """The first ``steps`` picks ``[min(steps, n)]`` of greedy max-min diversity on a distance matrix ``[n, n]``."""
+    """The first ``steps`` picks ``[min(steps, n)]`` of greedy max-min diversity on a distance matrix ``[n, n]``.
+
+    Every pick stays on the device (no host read per pick): the loop runs ``steps`` times on known sizes.
+    """
     n = distance.shape[0]
     steps = min(steps, n)
     if steps <= 0:
         return torch.zeros(0, dtype=torch.long, device=distance.device)
     eye = torch.eye(n, dtype=torch.bool, device=distance.device)
     nearest = distance.masked_fill(eye, float("inf")).min(dim=0).values  # distance to the nearest other token
-    picks = [int(torch.argmax(nearest))]
-    closest = distance[picks[0]].clone()
-    closest[picks[0]] = float("-inf")
-    for _ in range(1, steps):
-        pick = int(torch.argmax(closest))
-        picks.append(pick)
-        closest = torch.minimum(closest, distance[pick])
-        closest[picks] = float("-inf")
-    return torch.tensor(picks, dtype=torch.long, device=distance.device)
+    picks = torch.empty(steps, dtype=torch.long, device=distance.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=distance.device)
+    pick = torch.argmax(nearest).view(1)
+    closest = torch.full((n,), float("inf"), dtype=distance.dtype, device=distance.device)
+    for step in range(steps):
+        if step:
+            pick = torch.argmax(closest).view(1)
+        picks[step:step + 1] = pick
+        closest = torch.minimum(closest, distance.index_select(0, pick)[0])
+        taken.index_fill_(0, pick, True)
+        closest = closest.masked_fill(taken, float("-inf"))
+    return picks
 
 
 @register_method

@@ -58,8 +58,8 @@ def lowest_kept(importance: torch.Tensor, kept: torch.Tensor, count: torch.Tenso
     return chosen & kept
 
 
-def recycle(hidden: torch.Tensor, importance: torch.Tensor, candidate: torch.Tensor, cell: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def recycle(hidden: torch.Tensor, importance: torch.Tensor, candidate: torch.Tensor, cell: torch.Tensor,
+            num_cells: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the ``candidate`` tokens of every cell into its most important member (VFlowOpt Sec. 3.3).
 
     hidden: ``[B, L, D]``; importance: ``[B, L]``; candidate: ``[B, L]`` bool (the pruned set ``P``);
@@ -68,19 +68,22 @@ def recycle(hidden: torch.Tensor, importance: torch.Tensor, candidate: torch.Ten
     written into the slot of its highest-``I`` member (ties: the earlier slot). Negative importances
     (entropy weight ``alpha < 0``) count as 0; a cell whose weights are all 0 takes the plain mean.
     Returns the representative mask ``[B, L]`` (slots to keep) and the updated hidden states.
+    ``num_cells`` (host int, > every cell id): given, nothing is read back from the device.
     """
 
-    batch, length, _ = hidden.shape
+    batch, length, dim = hidden.shape
     assign = torch.where(candidate & (cell >= 0), cell, torch.full_like(cell, -1))
     members = assign >= 0
-    if not bool(members.any()):
-        return torch.zeros_like(candidate), hidden
-    targets = int(assign.max()) + 1
+    if num_cells is None:
+        if not bool(members.any()):
+            return torch.zeros_like(candidate), hidden
+        num_cells = int(assign.max()) + 1
+    targets = max(num_cells, 1)
     slot = assign.clamp(min=0)
     weight = importance.float().clamp_min(0.0).masked_fill(~members, 0.0)
     total = torch.zeros(batch, targets, device=hidden.device).scatter_add_(1, slot, weight)
     weight = torch.where(members & (total.gather(1, slot) <= 0), torch.ones_like(weight), weight)
-    merged = merge_tokens(hidden, assign, weight, targets)
+    merged = merge_tokens(hidden, assign, weight, targets, check=False)
     score = importance.float().masked_fill(~members, float("-inf"))
     best = torch.full((batch, targets), float("-inf"), device=hidden.device)
     best = best.scatter_reduce(1, slot, score, reduce="amax", include_self=True)
@@ -88,9 +91,10 @@ def recycle(hidden: torch.Tensor, importance: torch.Tensor, candidate: torch.Ten
     top = members & (score == best.gather(1, slot))
     first = torch.full((batch, targets), length, dtype=torch.long, device=hidden.device)
     first = first.scatter_reduce(1, slot, torch.where(top, positions, length), reduce="amin", include_self=True)
-    rows, cells = (first < length).nonzero(as_tuple=True)
-    representative = torch.zeros_like(candidate)
-    representative[rows, first[rows, cells]] = True
-    updated = hidden.clone()
-    updated[rows, first[rows, cells]] = merged[rows, cells]
+    # Scatter without a data-dependent shape: cells with no member write to a dummy slot ``length``.
+    slots = torch.where(first < length, first, torch.full_like(first, length))  # [B, T]
+    representative = torch.zeros(batch, length + 1, dtype=torch.bool, device=hidden.device)
+    representative = representative.scatter(1, slots, True)[:, :length]
+    updated = torch.cat([hidden, hidden.new_zeros(batch, 1, dim)], dim=1)
+    updated = updated.scatter(1, slots[..., None].expand(-1, -1, dim), merged.to(hidden.dtype))[:, :length]
     return representative, updated

@@ -162,7 +162,7 @@ class VFlowOpt(Scorer):
             images = ctx.state.pop("vflowopt_images", None)
             if crops is None and images is None:
                 raise RuntimeError("vflowopt found no vision-tower map for this call (were images passed?).")
-            counts = [int(n) for n in ctx.num_visual.tolist()]
+            counts = list(ctx.visual_counts) if ctx.visual_counts is not None else ctx.num_visual.tolist()
             if images is not None:  # Qwen-VL: per-image maps, laid out in batch order
                 vit.check_images_only(ctx.inputs)
                 maps = vit.distribute(images, counts, ctx.adapter.config.model_type)
@@ -183,8 +183,9 @@ class VFlowOpt(Scorer):
         side = ctx.adapter.config.vision_config.image_size // ctx.adapter.config.vision_config.patch_size
         return float(self.cell) if self.cell is not None else RELEASED_CELL * side / RELEASED_SIDE
 
-    def cells(self, ctx: ScoreContext, segments: list, count: int) -> tuple[torch.Tensor, int]:
-        """Cell of each of the sample's ``count`` visual tokens ``[count]`` and its merge count ``n_merge``.
+    def cells(self, ctx: ScoreContext, segments: list, count: int) -> tuple[torch.Tensor, int, int]:
+        """Cell of each of the sample's ``count`` visual tokens ``[count]``, its merge count ``n_merge`` and its
+        number of cells (host ints).
 
         One side ``a`` for the call (``cell``, or the release's scaled to a CLIP / SigLIP crop): ``n_merge =
         floor(N / a^2)``. Qwen-VL without ``cell``: ``a`` per image (:data:`RELEASED_CELL` ``/ 27`` of the side
@@ -192,10 +193,10 @@ class VFlowOpt(Scorer):
         """
         if self.cell is not None or not hasattr(ctx.adapter, "vit_blocks"):
             a = self.cell_side(ctx)
-            return vit.cell_ids(segments, count, a), math.floor(count / (a * a))
+            return vit.cell_ids(segments, count, a), math.floor(count / (a * a)), vit.cell_count(segments, a)
         sides = [RELEASED_CELL * math.sqrt(s.h * s.w) / RELEASED_SIDE for s in segments]
         merged = sum(math.floor(s.length / (a * a)) for s, a in zip(segments, sides, strict=True))
-        return vit.cell_ids(segments, count, sides), merged
+        return vit.cell_ids(segments, count, sides), merged, vit.cell_count(segments, sides)
 
     def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,17 +204,29 @@ class VFlowOpt(Scorer):
         alive = ctx.visual & ctx.valid
         first = not ctx.state.get("vflowopt_staged")
         ctx.state["vflowopt_staged"] = True
-        if not (self.recycle and first) or bool(kept[alive].all()):
+        if not (self.recycle and first):
             return kept, hidden
-        merges = []
-        cells = torch.full(ctx.ordinal.shape, -1, dtype=torch.long, device=kept.device)
+        merges, num_cells, rows = [], 1, []
         for row, segments in enumerate(ctx.state["vflowopt_grids"]):
-            ids, n_merge = self.cells(ctx, segments, ctx.visual_counts[row])
+            ids, n_merge, row_cells = self.cells(ctx, segments, ctx.visual_counts[row])
             merges.append(n_merge)
-            slots = ctx.ordinal[row] >= 0
-            cells[row, slots] = ids.to(kept.device)[ctx.ordinal[row, slots]]
-        n_merge = torch.tensor(merges, device=kept.device)
+            num_cells = max(num_cells, row_cells)
+            rows.append(ids)
+        # One host table of cell ids by visual ordinal [B, N0max] plus each sample's merge count in the last
+        # column, copied to the device once; looked up without boolean masks.
+        width = max((r.numel() for r in rows), default=0)
+        if width == 0:  # no visual token in the batch
+            return kept, hidden
+        table = torch.full((len(rows), width + 1), -1, dtype=torch.long)
+        for row, ids in enumerate(rows):
+            table[row, : ids.numel()] = ids
+        table[:, width] = torch.tensor(merges, dtype=torch.long)
+        table = table.to(kept.device)
+        cells = torch.where(ctx.ordinal >= 0, table[:, :width].gather(1, ctx.ordinal.clamp(0, width - 1)), -1)
+        # A sample with nothing pruned recycles nothing (keep 1 is the unwrapped model), decided on the device.
+        pruned = (alive & ~kept).any(dim=1)
+        n_merge = torch.where(pruned, table[:, width], 0)
         demoted = lowest_kept(scores, kept & alive, n_merge)
         candidate = alive & (~kept | demoted)
-        representative, hidden = recycle(hidden, scores, candidate, cells)
+        representative, hidden = recycle(hidden, scores, candidate, cells, num_cells=num_cells)
         return (kept & ~demoted) | representative, hidden

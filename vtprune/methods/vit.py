@@ -54,6 +54,16 @@ def context_relevance(attention: torch.Tensor, threshold: float) -> torch.Tensor
     return (chosen[:, :, None] * attention).sum(dim=1) / chosen.sum(dim=1, keepdim=True)
 
 
+def cell_count(segments: list, cell: float | list[float]) -> int:
+    """Cells of one sample (an upper bound on :func:`cell_ids` + 1), computed on the host from the segments."""
+    sides = list(cell) if isinstance(cell, (list, tuple)) else [cell] * len(segments)
+    total = 0
+    for segment, side in zip(segments, sides, strict=True):
+        span = (1.0, side * side) if segment.h == 1 else (side, side)
+        total += segment.t * (int((segment.h - 1) // span[0]) + 1) * (int((segment.w - 1) // span[1]) + 1)
+    return total
+
+
 def cell_ids(segments: list, count: int, cell: float | list[float]) -> torch.Tensor:
     """Recycling cell ``[count]`` of each visual token of one sample (-1: no cell), VFlowOpt Sec. 3.3.
 
