@@ -22,7 +22,10 @@ from independent_reference import reference_decode  # noqa: E402
 import vtprune  # noqa: E402
 from vtprune.models.tiny import SPECIAL_TOKENS, random_image, tiny_inputs, tiny_model  # noqa: E402
 
-CASES = [("fastv", {}), ("pdrop", {}), ("transprune", {}), ("random", {"layer": 0})]
+# vflowopt and visionzip without their merge steps: the reference gathers tokens (merges are tested on CPU)
+CASES = [("fastv", {}), ("pdrop", {}), ("transprune", {}), ("random", {"layer": 0}), ("vflowopt", {"recycle": False}),
+         ("visionzip", {"contextual": 0.0}),
+         ("divprune", {}), ("dart", {})]
 FAMILIES = ("llava", "qwen2_5_vl")
 STEPS = 6
 
