@@ -190,3 +190,14 @@ def test_parity_release_runs_and_says_so(capsys):
     assert code == 0 and "parity: release" in out
     # pdrop keeps 8 of 16 at its last stage under either rounding rule; the label is what is checked here.
     assert "16 tokens -> 8 kept" in out
+
+
+def test_handle_repr_says_debias_and_parity():
+    import vtprune
+    from vtprune.models.tiny import tiny_model
+
+    model, _ = tiny_model("llava")
+    with vtprune.apply(model, "pdrop", keep=0.5, parity="release") as handle:
+        assert "parity='release'" in repr(handle) and "method='pdrop'" in repr(handle)
+    with vtprune.apply(model, "fastv+debias", keep=0.5) as handle:
+        assert "debias=True" in repr(handle) and "parity" not in repr(handle)

@@ -155,6 +155,8 @@ class PruneHandle:
         stages = ", ".join(f"{s.layer}:{s.keep:g}" for s in self.stages)
         debias = getattr(self.scorer, "option", None) if isinstance(self.scorer, Debiased) else None
         extra = f", debias={debias!r}" if debias else ""
+        if getattr(self.config, "parity", "default") == "release":
+            extra += ", parity='release'"
         return f"PruneHandle(method={self.scorer.name!r}, stages=[{stages}]{extra}, active={self.active})"
 
     # -- registration -------------------------------------------------------------------------------------
