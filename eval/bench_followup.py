@@ -58,7 +58,7 @@ def table(rows: list[dict], facts: dict) -> str:
                      f"{reuse['turn2_accuracy']:.3f} | {again['turn2_accuracy']:.3f} | "
                      f"{again['turn2_accuracy'] - reuse['turn2_accuracy']:+.3f} |")
     lines.append(f"\n{rows[0]['images']} images, keep {rows[-1]['keep']}, two questions each (test split), greedy, "
-                 f"batch 1. Conditions: model {facts['model']}, {facts['device']} ({facts['threads']} threads), "
+                 f"batch 1. Conditions: model {facts['model']}, {facts['device']} ({facts['threads']} thread{'' if str(facts['threads']) == '1' else 's'}), "
                  f"{facts['dtype']}, {facts['attn_implementation']}, torch {facts['torch']}, transformers "
                  f"{facts['transformers']}, vtprune @ {facts['git_sha']}, weights {facts['weights_sha']}.")
     return "\n".join(lines) + "\n"

@@ -267,7 +267,7 @@ def markdown_table(rows: list[dict]) -> str:
               f"{' to the open-ended question (options removed; GridProbe confidence = peak first-token probability)' if first.get('open_ended') else ''}; "
               f"{mapped} answers were option text mapped to their letter, {unparsed} matched no option (wrong). "
               "FLOPs: LM prefill, probes included for gridprobe, ratio to the unpruned all-frames pass.",
-              "", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} threads), "
+              "", f"Conditions: model {first['model']}, device {first['device']} ({first['threads']} thread{'' if str(first['threads']) == '1' else 's'}), "
               f"dtype {first['dtype']}, attention {first['attn_implementation']}, route {first['route']}, "
               f"batch 1 (probes: one batch of 2K), torch {first['torch']}, transformers {first['transformers']}, "
               f"vtprune {first['vtprune']} @ {first['git_sha']}{dirty(first)}, weights {first.get('weights_sha', '?')}, "

@@ -117,7 +117,7 @@ def table(rows: list[dict], conditions: dict) -> str:
                      f"{r['decode_syncs']:g} | {r['prefill_syncs']} | {r['handle_bytes'] / 1024:.1f} KiB after "
                      f"{r['calls']} | {r['live_calls']} |")
     c = conditions
-    lines.append(f"\nConditions: {c['model']}, {c['device']} ({c['threads']} threads), fp32, SDPA, batch 1, torch "
+    lines.append(f"\nConditions: {c['model']}, {c['device']} ({c['threads']} thread{'' if str(c['threads']) == '1' else 's'}), fp32, SDPA, batch 1, torch "
                  f"{c['torch']}, transformers {c['transformers']}, vtprune @ {c['git_sha']}"
                  f"{' (dirty tree)' if c['git_dirty'] else ''}, weights {c['weights_sha']}. Hook time is measured "
                  "inside the hooks (host Python cost per forward); memory is everything reachable from the handle "

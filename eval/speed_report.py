@@ -125,7 +125,7 @@ def conditions_line(rows: list[dict]) -> str:
                               for r in rows))
     dates = ", ".join(dict.fromkeys(r["date"] for r in rows))
     return (f"Conditions: random-weight speed proxies ({first['lm']} LM; {lms}), {first['new_tokens']} new tokens, "
-            f"device {first['device']} ({first['threads']} threads), dtype {first['dtype']}, attention "
+            f"device {first['device']} ({first['threads']} thread{'' if str(first['threads']) == '1' else 's'}), dtype {first['dtype']}, attention "
             f"{first['attn_implementation']}, torch {first['torch']}, transformers {first['transformers']}, "
             f"vtprune {first['vtprune']} @ {', '.join(shas)} (per row in the CSV), {dates}.")
 
