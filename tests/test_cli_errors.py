@@ -8,49 +8,31 @@ import time
 import pytest
 import torch
 
-import vtprune.cli as cli
+import vtprune.cli as vtprune_cli
 from vtprune.errors import UserError
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as error:
-        code = int(error.code)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading a model (or generating bench data) fails the test: the errors must come first."""
-    import vtprune.models.loading
-
-    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-def test_user_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, capsys):
+def test_user_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, cli):
     def command(error):
         def run(args):
             raise error
         return run
 
-    parser = cli.build_parser()
+    parser = vtprune_cli.build_parser()
     for error, shown in ((UserError("bad value x; use y."), "bad value x; use y."),
                          (FileNotFoundError("no file f"), "no file f"),
                          (ModuleNotFoundError("No module named 'optuna'", name="optuna"), "vtprune[bench]")):
-        monkeypatch.setattr(cli, "build_parser", lambda e=error: _with_command(parser, command(e)))
-        code, _, err = _cli(capsys, "info")
+        monkeypatch.setattr(vtprune_cli, "build_parser", lambda e=error: _with_command(parser, command(e)))
+        code, _, err = cli("info")
         assert code == 2 and err.strip() == err.strip().splitlines()[0] and shown in err, err
     for bug in (RuntimeError("shape mismatch"), KeyError("x"), ValueError("from torch")):  # not raised by vtprune
-        monkeypatch.setattr(cli, "build_parser", lambda e=bug: _with_command(parser, command(e)))
+        monkeypatch.setattr(vtprune_cli, "build_parser", lambda e=bug: _with_command(parser, command(e)))
         with pytest.raises(type(bug)):
-            cli.main(["info"])
+            vtprune_cli.main(["info"])
     monkeypatch.setenv("VTPRUNE_TRACEBACK", "1")
-    monkeypatch.setattr(cli, "build_parser", lambda: _with_command(parser, command(UserError("shown in full"))))
+    monkeypatch.setattr(vtprune_cli, "build_parser", lambda: _with_command(parser, command(UserError("shown in full"))))
     with pytest.raises(UserError):
-        cli.main(["info"])
+        vtprune_cli.main(["info"])
 
 
 def _with_command(parser, func):
@@ -84,31 +66,31 @@ RUN_CASES = [
 
 
 @pytest.mark.parametrize("argv,words", RUN_CASES, ids=[" ".join(a) for a, _ in RUN_CASES])
-def test_run_arguments_fail_before_loading(capsys, no_model, argv, words):
-    code, _, err = _cli(capsys, "run", "--model", "tiny:llava", *argv)
+def test_run_arguments_fail_before_loading(cli, no_model, argv, words):
+    code, _, err = cli("run", "--model", "tiny:llava", *argv)
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
-def test_offline_hub_id_fails_fast(capsys, no_model, monkeypatch):
+def test_offline_hub_id_fails_fast(cli, no_model, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
-    code, _, err = _cli(capsys, "run", "--model", "someone/not-cached-vlm")
+    code, _, err = cli("run", "--model", "someone/not-cached-vlm")
     assert code == 2 and "not in the local Hugging Face cache" in err and time.perf_counter() - start < 10
 
 
 def test_sample_index_is_generated_alone():
     from vtprune.eval.shapes import make_split
 
-    image, question, answer = cli._sample(7)
+    image, question, answer = vtprune_cli._sample(7)
     reference = make_split("test", 8)[7]
     assert image.tobytes() == reference.image.tobytes() and question == reference.questions[0].text
     start = time.perf_counter()
-    cli._sample(9_999)
+    vtprune_cli._sample(9_999)
     assert time.perf_counter() - start < 5
 
 
-def test_over_long_questions_are_refused(capsys, monkeypatch):
-    code, _, err = _cli(capsys, "run", "--model", "embedded:llava", "--device", "cpu", "--question", "why " * 12_500)
+def test_over_long_questions_are_refused(cli, monkeypatch):
+    code, _, err = cli("run", "--model", "embedded:llava", "--device", "cpu", "--question", "why " * 12_500)
     assert code == 2 and "past the model's context of 512 positions" in err and "Traceback" not in err, err
     from vtprune.models.pipeline import check_prompt_length
     from vtprune.models.tiny import tiny_model
@@ -138,12 +120,12 @@ BENCH_CASES = [
 
 
 @pytest.mark.parametrize("argv,words", BENCH_CASES, ids=[" ".join(a) for a, _ in BENCH_CASES])
-def test_bench_arguments_fail_before_loading(capsys, no_model, tmp_path, argv, words):
-    code, _, err = _cli(capsys, "bench", "--model", "tiny:llava", "--out", str(tmp_path / "out"), *argv)
+def test_bench_arguments_fail_before_loading(cli, no_model, tmp_path, argv, words):
+    code, _, err = cli("bench", "--model", "tiny:llava", "--out", str(tmp_path / "out"), *argv)
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
-def test_output_paths_are_checked_before_any_work(capsys, no_model, tmp_path):
+def test_output_paths_are_checked_before_any_work(cli, no_model, tmp_path):
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     cases = [
@@ -161,11 +143,11 @@ def test_output_paths_are_checked_before_any_work(capsys, no_model, tmp_path):
         (["calibrate", "--out", str(tmp_path / "c.json"), "--data", str(a_file)], "is not a folder of images"),
     ]
     for argv, words in cases:
-        code, _, err = _cli(capsys, *argv, "--model", "tiny:llava")
+        code, _, err = cli(*argv, "--model", "tiny:llava")
         assert code == 2 and words in err and "Traceback" not in err, (argv, err)
 
 
-def test_demo_refuses_a_busy_port_and_warns_beyond_loopback(capsys, monkeypatch):
+def test_demo_refuses_a_busy_port_and_warns_beyond_loopback(capsys, monkeypatch, cli):
     from vtprune.eval.demo_cli import load_demo_module
 
     from vtprune.cli.checks import exposure_warning, is_loopback
@@ -175,9 +157,9 @@ def test_demo_refuses_a_busy_port_and_warns_beyond_loopback(capsys, monkeypatch)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, _, err = _cli(capsys, "demo", "--port", str(port), "--model", "tiny:llava")
+        code, _, err = cli("demo", "--port", str(port), "--model", "tiny:llava")
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
-    code, _, err = _cli(capsys, "demo", "--port", "0")
+    code, _, err = cli("demo", "--port", "0")
     assert code == 2 and "--port" in err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and exposure_warning("127.0.0.1", False) is None

@@ -12,32 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-import vtprune.cli as cli
+import vtprune.cli as vtprune_cli
 from vtprune.models.embedded import embedded_model_path
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as error:
-        code = int(error.code)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading weights fails the test: these errors must come before."""
-    import vtprune.models.loading
-
-    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
 def _subcommands() -> dict:
-    parser = cli.build_parser()
+    parser = vtprune_cli.build_parser()
     return {name: sub for action in parser._subparsers._group_actions for name, sub in action.choices.items()}
 
 
@@ -54,22 +35,22 @@ def test_every_option_has_help_and_every_command_examples():
     ("tune", ["(default: 50)", "(default: vflowopt)"]),
     ("sample", ["(default: 0)"]),
 ])
-def test_help_shows_the_defaults(capsys, command, shown):
-    code, out, _ = _cli(capsys, command, "--help")
+def test_help_shows_the_defaults(cli, command, shown):
+    code, out, _ = cli(command, "--help")
     text = " ".join(out.split())  # argparse wraps lines
     assert code == 0 and all(s in text for s in shown), [s for s in shown if s not in text]
     assert "default: None" not in text
 
 
-def test_sample_writes_an_image_and_a_clip_the_models_can_answer(tmp_path, capsys):
-    pytest.importorskip("av")
+def test_sample_writes_an_image_and_a_clip_the_models_can_answer(tmp_path, cli):
+    pytest.importorskip("av", reason="writing a clip needs PyAV, the optional [video] extra (installed by test.sh)")
     from vtprune.eval.shapes import make_split
     from vtprune.eval.shapes_video import make_video_split
 
     from vtprune.media.video import load_video
 
     image, clip = tmp_path / "shapes.png", tmp_path / "sub" / "clip.mp4"
-    code, out, err = _cli(capsys, "sample", "--image", str(image), "--video", str(clip))
+    code, out, err = cli("sample", "--image", str(image), "--video", str(clip))
     assert code == 0, err
     sample = make_split("test", 1)[0]
     for question in sample.questions:
@@ -81,25 +62,25 @@ def test_sample_writes_an_image_and_a_clip_the_models_can_answer(tmp_path, capsy
     frames = make_video_split("test", 1)[0].frames
     assert len(load_video(clip, 64).frames) == len(frames)
     assert "What color is the" in out and "--gridprobe 4" in out
-    code, _, err = _cli(capsys, "sample")
+    code, _, err = cli("sample")
     assert code == 2 and "--image" in err
 
 
-def test_a_question_outside_the_vocabulary_gets_a_note(capsys):
-    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--question", "What is on the sofa?", "--json")
+def test_a_question_outside_the_vocabulary_gets_a_note(cli):
+    code, out, _ = cli("run", "--device", "cpu", "--question", "What is on the sofa?", "--json")
     record = json.loads(out)
     assert code == 0 and any("'sofa'" in note and "vtprune-shapes" in note for note in record["notes"])
-    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--question", "How many squares are there?", "--json")
+    code, out, _ = cli("run", "--device", "cpu", "--question", "How many squares are there?", "--json")
     assert code == 0 and not any("vocabulary" in note for note in json.loads(out)["notes"])
 
 
-def test_run_says_what_it_kept_and_how_it_debiased(capsys):
-    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--method", "fastv+debias", "--sample", "1")
+def test_run_says_what_it_kept_and_how_it_debiased(cli):
+    code, out, _ = cli("run", "--device", "cpu", "--method", "fastv+debias", "--sample", "1")
     assert code == 0
     method_line = next(line for line in out.splitlines() if line.startswith("method"))
     assert "fastv+debias keep=0.25" in method_line and "debias: calibration" in method_line
     assert "calibration.json" in method_line
-    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--method", "pdrop", "--keep", "0.5", "--schedule",
+    code, out, _ = cli("run", "--device", "cpu", "--method", "pdrop", "--keep", "0.5", "--schedule",
                         "1:0.5,3:0.125", "--json")
     record = json.loads(out)
     assert record["keep"] == 0.125 and record["requested_keep"] == 0.5 and record["debias"] is None
@@ -126,22 +107,22 @@ def test_bench_plan_runs_keep_one_once():
     (["--layer", "9"], "--layer 9: pruning layer 9 is outside"),
     (["--attn", "flash_attention_2"], "needs the package 'flash_attn'"),
 ])
-def test_environment_and_depth_errors_come_before_loading(capsys, no_model, argv, words):
-    code, _, err = _cli(capsys, "run", *argv)
+def test_environment_and_depth_errors_come_before_loading(cli, no_model, argv, words):
+    code, _, err = cli("run", *argv)
     assert code == 2 and words in err and "Traceback" not in err, err
 
 
-def test_a_model_type_vtprune_cannot_prune_is_refused(capsys, no_model, tmp_path):
+def test_a_model_type_vtprune_cannot_prune_is_refused(cli, no_model, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    code, _, err = _cli(capsys, "run", "--model", str(tmp_path))
+    code, _, err = cli("run", "--model", str(tmp_path))
     assert code == 2 and "'gpt2' model" in err and "qwen2_5_vl" in err
 
 
-def test_an_unreachable_hub_fails_in_seconds(capsys, no_model, monkeypatch):
+def test_an_unreachable_hub_fails_in_seconds(cli, no_model, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
     start = time.perf_counter()
-    code, _, err = _cli(capsys, "run", "--model", "someone/not-cached-vlm")
+    code, _, err = cli("run", "--model", "someone/not-cached-vlm")
     assert code == 2 and "cannot be reached" in err and "not in the local cache" in err, err
     assert time.perf_counter() - start < 10
 
@@ -178,15 +159,15 @@ def test_quickstart_is_two_commands_and_ends_with_the_activation_step():
     assert "setup.sh run" in script and "source .venv/bin/activate" in script
 
 
-def test_parity_release_is_checked_before_loading_and_shown(capsys, no_model):
+def test_parity_release_is_checked_before_loading_and_shown(cli, no_model):
     """``--parity release`` on a method without a release rule fails before any model loads, naming the fix."""
-    code, _, err = _cli(capsys, "run", "--method", "random", "--parity", "release")
+    code, _, err = cli("run", "--method", "random", "--parity", "release")
     assert code == 2 and "--parity release is not available for --method random" in err
     assert "pdrop" in err and "drop --parity" in err
 
 
-def test_parity_release_runs_and_says_so(capsys):
-    code, out, _ = _cli(capsys, "run", "--device", "cpu", "--method", "pdrop", "--keep", "0.5", "--parity", "release")
+def test_parity_release_runs_and_says_so(cli):
+    code, out, _ = cli("run", "--device", "cpu", "--method", "pdrop", "--keep", "0.5", "--parity", "release")
     assert code == 0 and "parity: release" in out
     # pdrop keeps 8 of 16 at its last stage under either rounding rule; the label is what is checked here.
     assert "16 tokens -> 8 kept" in out

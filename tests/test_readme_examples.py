@@ -122,7 +122,7 @@ def test_readme_commands_use_schedules_the_default_model_has_room_for():
 
 
 def test_video_example_runs_on_a_sampled_clip(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("av")
+    pytest.importorskip("av", reason="the video example needs PyAV, the optional [video] extra (installed by test.sh)")
     from vtprune.cli import main
 
     monkeypatch.chdir(tmp_path)

@@ -8,7 +8,6 @@ import re
 
 import pytest
 
-from vtprune.cli import main
 from vtprune.errors import UserError
 from vtprune.method_config import load_method_config, read_method_config
 
@@ -94,24 +93,11 @@ def test_malformed_calibrations_fail_at_load_time(tmp_path, case):
     assert read_calibration(SHIPPED).layers  # the shipped file passes the same checks
 
 
-def _cli(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as error:
-        code = int(error.code)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading a model fails the test: the errors below must come before it."""
-    import vtprune.models.loading
-
-    monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
 
 
-def test_cli_config_conflicts_fail_before_loading(tmp_path, capsys, no_model):
+def test_cli_config_conflicts_fail_before_loading(tmp_path, cli, no_model):
     tuned = _write(tmp_path, "tuned", {"method": "pdrop", "wrap_options": {"schedule": "1:0.5,3:0.25"}})
     keeps = _write(tmp_path, "keeps", {"keep": 0.5})
     cases = [
@@ -123,19 +109,19 @@ def test_cli_config_conflicts_fail_before_loading(tmp_path, capsys, no_model):
         (["--debias", str(tmp_path / "nope.json")], "no such calibration file"),
     ]
     for argv, words in cases:
-        code, _, err = _cli(capsys, "run", "--model", "tiny:llava", "--device", "cpu", *argv)
+        code, _, err = cli("run", "--model", "tiny:llava", "--device", "cpu", *argv)
         assert code == 2 and words in err and "Traceback" not in err, (argv, err)
 
 
-def test_cli_config_supplies_method_and_keep(tmp_path, capsys):
+def test_cli_config_supplies_method_and_keep(tmp_path, cli):
     config = _write(tmp_path, "pdrop", {"method": "pdrop", "wrap_options": {"keep": 0.5, "layer": 2}})
-    code, out, _ = _cli(capsys, "run", "--model", "tiny:llava", "--device", "cpu", "--config", config, "--json")
+    code, out, _ = cli("run", "--model", "tiny:llava", "--device", "cpu", "--config", config, "--json")
     record = json.loads(out)
     assert code == 0 and record["method"] == "pdrop" and record["keep"] == 0.5 and record["stages"] == [[2, 0.5]]
 
 
-def test_run_json_reports_the_effective_keep_and_stages(capsys):
-    code, out, _ = _cli(capsys, "run", "--model", "tiny:llava", "--device", "cpu", "--keep", "0.5",
+def test_run_json_reports_the_effective_keep_and_stages(cli):
+    code, out, _ = cli("run", "--model", "tiny:llava", "--device", "cpu", "--keep", "0.5",
                         "--schedule", "1:0.5,3:0.25", "--json")
     record = json.loads(out)
     assert code == 0 and record["keep"] == 0.25 and record["requested_keep"] == 0.5
@@ -156,14 +142,14 @@ def test_lmms_config_file_is_checked_and_clashes_refused(tmp_path):
         parse_model_args({"config": _write(tmp_path, "nan", '{"method": "transprune", "wrap_options": {"alpha": NaN}}')})
 
 
-def test_calibrate_data_rows_and_images_are_checked_before_loading(tmp_path, capsys, no_model):
+def test_calibrate_data_rows_and_images_are_checked_before_loading(tmp_path, cli, no_model):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "questions.jsonl").write_text('{"image": "a.png", "question": "q"}\n{"image": 3}\n')
     out = str(tmp_path / "cal.json")
-    code, _, err = _cli(capsys, "calibrate", "--data", str(folder), "--out", out, "--model", "tiny:llava")
+    code, _, err = cli("calibrate", "--data", str(folder), "--out", out, "--model", "tiny:llava")
     assert code == 2 and "questions.jsonl line 1" not in err and "line 2" in err, err
     (folder / "questions.jsonl").write_text('{"image": "a.png"}\n')
     (folder / "a.png").write_bytes(b"")
-    code, _, err = _cli(capsys, "calibrate", "--data", str(folder), "--out", out, "--model", "tiny:llava")
+    code, _, err = cli("calibrate", "--data", str(folder), "--out", out, "--model", "tiny:llava")
     assert code == 2 and "empty (0 bytes)" in err, err
