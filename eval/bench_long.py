@@ -280,21 +280,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run; bad input (e.g. clips longer than the model's context) is one ``error:`` line and exit status 2."""
-    import os
-    import sys
-
-    from vtprune.cli import user_error_message
+    from vtprune.cli import run_reporting_errors
 
     args = parse_args(argv)
-    try:
+
+    def command() -> int:
         run(args)
-    except Exception as error:
-        message = user_error_message(error)
-        if message is None or os.environ.get("VTPRUNE_TRACEBACK"):
-            raise
-        print(f"bench_long: error: {message}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return run_reporting_errors(command, "bench_long")
 
 
 if __name__ == "__main__":

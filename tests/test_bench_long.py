@@ -175,3 +175,13 @@ def test_calibrate_fits_the_trend_on_all_frames_of_clips(tmp_path):
     flat = binned_trend({"x": [0.1, 0.4, 0.6, 0.9], "mean": [1.0, 1.0, 1.0, 1.0], "count": [1, 1, 1, 1]})
     rising = binned_trend({"x": [0.1, 0.4, 0.6, 0.9], "mean": [1.0, 2.0, 3.0, 4.0], "count": [1, 1, 1, 1]})
     assert flat["last_first_ratio"] == 1.0 and rising["last_first_ratio"] == 4.0 and rising["binned_sigma"] > 1
+
+
+def test_clips_past_the_context_are_one_line(tmp_path, capsys):
+    """64 frames do not fit the embedded Qwen2-VL's 1,024 positions: one line saying how many do, status 2."""
+    from vtprune.eval.bench_long import main
+
+    code = main(["--setting", "video", "--frames", "64", "--clips", "1", "--methods", "none", "--keep", "0.25",
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "at most 55 frames fit" in err, err

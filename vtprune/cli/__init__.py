@@ -10,6 +10,7 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from vtprune.cli.checks import int_range
 from vtprune.cli.help import apply_help
@@ -203,16 +204,24 @@ def main(argv: list[str] | None = None) -> int:
     Set ``VTPRUNE_TRACEBACK=1`` to see the traceback of a user error too.
     """
     args = build_parser().parse_args(argv)
+    return run_reporting_errors(lambda: args.func(args), "vtprune")
+
+
+def run_reporting_errors(command: Callable[[], int | None], program: str) -> int:
+    """``command()``'s exit status; a user error is one ``PROGRAM: error: ...`` line and status 2, Ctrl-C 130.
+
+    Bugs keep their traceback; ``VTPRUNE_TRACEBACK=1`` shows it for user errors too.
+    """
     try:
-        return int(args.func(args) or 0)
+        return int(command() or 0)
     except KeyboardInterrupt:
-        print("vtprune: interrupted", file=sys.stderr)
+        print(f"{program}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:
         message = user_error_message(error)
         if message is None or os.environ.get("VTPRUNE_TRACEBACK"):
             raise
-        print(f"vtprune: error: {message}", file=sys.stderr)
+        print(f"{program}: error: {message}", file=sys.stderr)
         return 2
 
 
