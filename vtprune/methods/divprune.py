@@ -74,17 +74,15 @@ class DivPrune(Scorer):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         embeddings = lm_inputs.input_embeddings(ctx)
         alive = ctx.visual & ctx.valid
-        out = torch.zeros(ctx.valid.shape, dtype=torch.float32, device=ctx.valid.device)
-        for row in range(out.shape[0]):
-            if ctx.visual_counts[row] == 0:
-                continue
-            groups = lm_inputs.group_ids(ctx, row)
-            quota = lm_inputs.group_quotas(ctx, row, ctx.stage.keep)
+
+        def diversity_rank(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+            """``-rank`` ``[L]`` of each slot in its image's greedy max-min order (unpicked slots last)."""
             rank = torch.full(groups.shape, groups.numel(), dtype=torch.long, device=groups.device)
             for group in groups[alive[row]].unique().tolist():
                 slots = (alive[row] & (groups == group)).nonzero().flatten()
                 # a few picks beyond the quota settle the engine's rounding differences between images
                 picks = max_min_order(cosine_distance(embeddings[row, slots]), int(quota[group]) + len(quota))
                 rank[slots[picks.to(slots.device)]] = torch.arange(picks.numel(), device=rank.device)
-            out[row] = lm_inputs.group_scores(-rank.float(), alive[row], groups, quota)
-        return out
+            return -rank.float()
+
+        return lm_inputs.per_image_scores(ctx, diversity_rank)

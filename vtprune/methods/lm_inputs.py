@@ -8,11 +8,13 @@
 * :func:`group_ids` / :func:`group_quotas`: images (or frames) of a sample, as
   :func:`vtprune.methods.per_frame.frame_ids` defines them, and each one's share of the budget.
 * :func:`group_scores`: scores that make the engine keep each group's own top ``keep`` fraction by a
-  per-slot value (the rule of :mod:`vtprune.methods.per_frame`).
+  per-slot value (the rule of :mod:`vtprune.methods.per_frame`); :func:`per_image_scores` runs it over a
+  batch with a per-sample value function.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,3 +98,21 @@ def group_scores(values: torch.Tensor, alive: torch.Tensor, groups: torch.Tensor
     """
     out = per_frame_scores(values, alive, groups.clamp(min=0), quota.to(values.device))
     return out.nan_to_num(neginf=-1e9)
+
+
+def per_image_scores(ctx: ScoreContext, values: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+    """Engine scores ``[B, L]``: every image (group) of a sample keeps its own share of the stage's ``keep``.
+
+    values: ``(row, groups [L], quota [G]) -> [L]`` per-slot values of one sample, higher is better. Samples
+    without visual tokens score 0 (nothing to choose).
+    """
+    alive = ctx.visual & ctx.valid
+    out = torch.zeros(ctx.valid.shape, dtype=torch.float32, device=ctx.valid.device)
+    for row in range(out.shape[0]):
+        if ctx.visual_counts[row] == 0:
+            continue
+        groups = group_ids(ctx, row)
+        quota = group_quotas(ctx, row, ctx.stage.keep)
+        out[row] = group_scores(values(row, groups, quota), alive[row], groups, quota)
+    return out

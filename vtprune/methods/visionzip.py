@@ -93,15 +93,7 @@ class VisionZip(Scorer):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         values, _ = tower.token_maps(ctx, KEY, self.name)
         attention = values.gather(1, ctx.ordinal.clamp(min=0))
-        alive = ctx.visual & ctx.valid
-        out = torch.zeros(ctx.valid.shape, dtype=torch.float32, device=ctx.valid.device)
-        for row in range(out.shape[0]):
-            if ctx.visual_counts[row] == 0:
-                continue
-            groups = lm_inputs.group_ids(ctx, row)
-            quota = lm_inputs.group_quotas(ctx, row, ctx.stage.keep)
-            out[row] = lm_inputs.group_scores(attention[row], alive[row], groups, quota)
-        return out
+        return lm_inputs.per_image_scores(ctx, lambda row, groups, quota: attention[row])
 
     def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
