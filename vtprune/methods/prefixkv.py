@@ -82,11 +82,15 @@ class PrefixKV(Scorer):
 # -- pure functions ----------------------------------------------------------------------------------------
 def retention_curves(priority: torch.Tensor) -> torch.Tensor:
     """``P_l(n)`` ``[layers, N]``: cumulative share of layer ``l``'s priority held by its top ``n + 1`` tokens."""
-    ordered = priority.double().clamp_min(0).sort(dim=1, descending=True).values
-    total = ordered.sum(dim=1, keepdim=True)
-    uniform = torch.full_like(ordered, 1.0 / max(ordered.shape[1], 1))
-    share = torch.where(total > 0, ordered / total.clamp_min(1e-300), uniform)
-    return share.cumsum(dim=1)
+    return torch.from_numpy(_curves(priority.detach().cpu().double().numpy()))
+
+
+def _curves(values: np.ndarray) -> np.ndarray:
+    """:func:`retention_curves` on a host array (fp64); a layer whose priorities are all 0 is uniform."""
+    ordered = -np.sort(-np.clip(values, 0.0, None), axis=1)
+    total = ordered.sum(axis=1, keepdims=True)
+    share = np.where(total > 0, ordered / np.maximum(total, 1e-300), 1.0 / max(values.shape[1], 1))
+    return share.cumsum(axis=1)
 
 
 def counts_at(curves: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -107,10 +111,8 @@ def layer_budgets(priority: torch.Tensor | np.ndarray, keep: float, iterations: 
     if n == 0:
         return [0] * layers
     target = min(layers * n, max(layers, math.floor(keep * layers * n + 0.5)))
-    ordered = -np.sort(-np.clip(values, 0.0, None), axis=1)
-    total = ordered.sum(axis=1, keepdims=True)
-    shares = np.where(total > 0, ordered / np.maximum(total, 1e-300), 1.0 / n)
-    curves = shares.cumsum(axis=1)
+    curves = _curves(values)
+    shares = np.diff(curves, axis=1, prepend=0.0)
 
     def counts(threshold: float) -> np.ndarray:
         return np.minimum((curves < threshold).sum(axis=1) + 1, n)

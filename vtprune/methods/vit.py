@@ -54,14 +54,19 @@ def context_relevance(attention: torch.Tensor, threshold: float) -> torch.Tensor
     return (chosen[:, :, None] * attention).sum(dim=1) / chosen.sum(dim=1, keepdim=True)
 
 
+def _cell_grid(segment: Any, side: float) -> tuple[tuple[float, float], int, int]:
+    """The cell span ``(rows, cols)`` of one segment and its number of cell rows and columns per frame.
+
+    A flat segment (grid unknown, ``h == 1``) groups ``a^2`` consecutive tokens."""
+    span = (1.0, side * side) if segment.h == 1 else (side, side)
+    return span, int((segment.h - 1) // span[0]) + 1, int((segment.w - 1) // span[1]) + 1
+
+
 def cell_count(segments: list, cell: float | list[float]) -> int:
     """Cells of one sample (an upper bound on :func:`cell_ids` + 1), computed on the host from the segments."""
     sides = list(cell) if isinstance(cell, (list, tuple)) else [cell] * len(segments)
-    total = 0
-    for segment, side in zip(segments, sides, strict=True):
-        span = (1.0, side * side) if segment.h == 1 else (side, side)
-        total += segment.t * (int((segment.h - 1) // span[0]) + 1) * (int((segment.w - 1) // span[1]) + 1)
-    return total
+    return sum(segment.t * rows * cols for segment, side in zip(segments, sides, strict=True)
+               for _, rows, cols in [_cell_grid(segment, side)])
 
 
 def cell_ids(segments: list, count: int, cell: float | list[float]) -> torch.Tensor:
@@ -81,9 +86,8 @@ def cell_ids(segments: list, count: int, cell: float | list[float]) -> torch.Ten
         index = torch.arange(grid)
         frame, rest = index // (segment.h * segment.w), index % (segment.h * segment.w)
         row, col = rest // segment.w, rest % segment.w
-        span = (1.0, side * side) if segment.h == 1 else (side, side)  # a flat run groups a^2 tokens
+        span, rows, cols = _cell_grid(segment, side)
         row, col = (row / span[0]).floor().long(), (col / span[1]).floor().long()
-        rows, cols = int((segment.h - 1) // span[0]) + 1, int((segment.w - 1) // span[1]) + 1
         ids = offset + (frame * rows + row) * cols + col
         begin = segment.start + segment.extra
         end = min(count, begin + grid)
