@@ -3,7 +3,7 @@
 One CSV row per context group (``16-32 frames``, ``8 images``, ...) x method x keep x question type (plus
 ``all``), with the run conditions. The Markdown has, per group: accuracy and token-level evidence recall of
 every method at every keep, accuracy per question type, cost (FLOPs ratio, kept tokens, time), and the
-goals of issue 19 checked on the data (the best criterion among the token methods, reference lines
+the targets set for the criteria checked on the data (the best criterion among the token methods, reference lines
 ``random`` / ``oracle`` excluded).
 """
 
@@ -106,7 +106,7 @@ def group_tables(rows: list[dict], group: str, keeps: list[float]) -> list[str]:
 
 
 def goals(rows: list[dict], group: str) -> list[str]:
-    """Issue 19's goals on one group: the best token criterion (references and GridProbe excluded)."""
+    """The targets set for the criteria on one group: the best token criterion (references and GridProbe excluded)."""
     overall = {(r["method"], float(r["keep"])): r for r in rows if r["group"] == group and r["qtype"] == "all"}
     base = overall.get(("none", 1.0))
     criteria = [m for m in dict.fromkeys(m for m, _ in overall) if m not in REFERENCES and not m.startswith("gridprobe")]
@@ -120,13 +120,17 @@ def goals(rows: list[dict], group: str) -> list[str]:
             ratio = acc / float(base["accuracy"])
             shown = math.floor(1000 * ratio + 1e-9) / 10
             lines.append(f"- {group}, keep {keep:g}: best {m} {acc:.3f} = {shown:.1f} % of unpruned "
-                         f"{float(base['accuracy']):.3f} (goal {100 * goal:.0f} %): {'met' if ratio >= goal else 'not met'}")
+                         f"{float(base['accuracy']):.3f} (target {100 * goal:.0f} %): {_verdict(ratio >= goal)}")
     recalls = [(float(overall[m, 0.25]["evidence_recall"]), m) for m in criteria if (m, 0.25) in overall]
     if recalls:
         rec, m = max(recalls)
-        lines.append(f"- {group}, keep 0.25: best evidence recall {rec:.3f} ({m}) (goal {RECALL_GOAL}): "
-                     f"{'met' if rec >= RECALL_GOAL else 'not met'}")
+        lines.append(f"- {group}, keep 0.25: best evidence recall {rec:.3f} ({m}) (target {RECALL_GOAL}): "
+                     f"{_verdict(rec >= RECALL_GOAL)}")
     return lines
+
+
+def _verdict(reached: bool) -> str:
+    return "reached" if reached else "below target"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
@@ -141,7 +145,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
              "`random` and `oracle` (evidence tokens first) are reference lines.", ""]
     for group in groups:
         lines += group_tables(rows, group, keeps)
-    lines += ["## Goals (issue 19)", ""]
+    lines += ["## Targets set for the criteria (the best token method per setting)", ""]
     for group in groups:
         lines += goals(rows, group)
     lines += ["", f"Conditions: model {meta['model']}, device {meta['device']} ({meta['threads']} thread"

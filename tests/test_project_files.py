@@ -1,0 +1,66 @@
+"""What a user sees before running anything: LICENSE, CITATION.cff, the README's first screen and "Citing" list,
+and no internal project wording in the pages a user reads (README, docs/, docs/results/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+import vtprune
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+USER_PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+# Wording about how this project is run, which no user can act on.
+INTERNAL = [r"\bissue[- ]?\d+", r"\bgoal \d+ ?%", r"\blent\b", r"device tool", r"\bcarry: ", r"ship bar",
+            r"maintainers' (own )?machine"]
+
+
+def test_license_is_the_apache_text_pyproject_declares() -> None:
+    text = (ROOT / "LICENSE").read_text()
+    declared = re.search(r'^license = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert declared and declared.group(1) == "Apache-2.0"
+    assert "Apache License" in text[:200] and "Version 2.0, January 2004" in text[:200]
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 150  # the full text, not a stub
+
+
+def test_citation_cff_is_valid_1_2_0_and_matches_the_package() -> None:
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["type"] == "software"
+    assert {"message", "title", "authors", "version", "license"} <= set(cff)
+    assert cff["version"] == vtprune.__version__ and cff["license"] == "Apache-2.0"
+    assert all("name" in a or "family-names" in a for a in cff["authors"])
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", str(cff["date-released"]))
+
+
+def _arxiv_ids(text: str) -> set[str]:
+    return set(re.findall(r"arXiv:(\d{4}\.\d{4,5})", text))
+
+
+def test_citing_lists_the_paper_of_every_method() -> None:
+    """Every paper a method's code cites (vtprune/methods, vtprune/gridprobe) is in the README's citing list."""
+    cited_in_code = set()
+    for folder in ("methods", "gridprobe"):
+        for path in (ROOT / "vtprune" / folder).glob("*.py"):
+            cited_in_code |= _arxiv_ids(path.read_text())
+    citing = README.read_text().split("## License and citing", 1)[1]
+    assert cited_in_code, "no arXiv ids found in the methods' docstrings"
+    assert not cited_in_code - _arxiv_ids(citing), f"missing from the README's citing list: {cited_in_code - _arxiv_ids(citing)}"
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=[str(p.relative_to(ROOT)) for p in USER_PAGES])
+def test_user_pages_carry_no_internal_wording(page: Path) -> None:
+    text = page.read_text()
+    found = [m.group(0) for pattern in INTERNAL for m in re.finditer(pattern, text, re.I)]
+    assert not found, f"{page.relative_to(ROOT)}: {found}"
+
+
+def test_first_screen_says_what_was_measured_on_what_before_any_table() -> None:
+    """Before the first table: what vtprune is, the install line, the example, and the measured-on-what line."""
+    first = README.read_text().split("\n|", 1)[0]
+    assert "Nothing has run on a real 7B checkpoint or on a GPU" in first
+    assert "pip install -c constraints.txt -e ." in first and "./quickstart.sh" in first
+    assert "<!-- embedded-example -->" in first and "docs/reproduce.md" in first
