@@ -38,7 +38,14 @@ def lm_kwargs(call: CallState, kwargs: dict) -> dict:
     elif call.pre_llm_padded:
         ones = torch.ones(batch, call.decoded + new_tokens, dtype=torch.long, device=call.pre_llm_valid.device)
         kwargs["attention_mask"] = torch.cat([call.pre_llm_valid.long(), ones], 1)
-    if kwargs.get("position_ids") is None:
+    positions = kwargs.get("position_ids")
+    if call.pre_llm_removed is not None:  # compact: the kept prompt's length, then the tokens decoded so far
+        if positions is None:
+            start = call.pre_llm_valid.sum(dim=1, keepdim=True) + call.decoded
+            kwargs["position_ids"] = start + torch.arange(new_tokens, device=start.device)
+        else:
+            kwargs["position_ids"] = positions - call.pre_llm_removed.to(positions.device)[:, None]
+    elif positions is None:
         start = call.prompt_length + call.decoded
         kwargs["position_ids"] = torch.arange(start, start + new_tokens, device=step.device).expand(batch, -1)
     return kwargs

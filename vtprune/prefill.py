@@ -67,10 +67,14 @@ def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: Sta
     kwargs = dict(kwargs)
     kwargs["inputs_embeds"] = gather_tokens(embeds, new.index_in_previous, 1)
     kwargs["attention_mask"] = new.valid.long()
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
-    kwargs["position_ids"] = gather_tokens(positions, new.index_in_previous, positions.dim() - 1)
+    if handle.plan.positions == "compact":  # kept tokens and the text after them numbered 0, 1, 2, ...
+        kwargs["position_ids"] = compact_positions(new.valid)
+        call.pre_llm_removed = view.valid.sum(dim=1) - new.valid.sum(dim=1)
+    else:
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
+        kwargs["position_ids"] = gather_tokens(positions, new.index_in_previous, positions.dim() - 1)
     call.pre_llm_index, call.pre_llm_valid, call.pre_llm_padded = new.index, new.valid, new.padded
     width = new.index.shape[1]
     identity = torch.arange(width, device=embeds.device).expand(embeds.shape[0], width)
@@ -126,7 +130,7 @@ def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
     if isinstance(positions, torch.Tensor):
         update["position_ids"] = gather_tokens(positions, view.index, positions.dim() - 1)
     if handle.plan.positions == "compact" and embeddings is not None:
-        compact = (view.valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        compact = compact_positions(view.valid)
         cos, sin = handle.adapter.language_model.rotary_emb(embeddings[0], compact.to(embeddings[0].device))
         update.update({"position_embeddings": (cos, sin), "position_ids": compact})
     view.kwargs = update
@@ -195,3 +199,9 @@ def kv_priority(handle: PruneHandle, call: CallState, index: int, module: nn.Mod
     )
     call.method_state.setdefault("kv_priority", {})[index] = handle.scorer.score(ctx)
     return None
+
+
+def compact_positions(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` long: each valid slot's rank among its sample's valid slots (``positions="compact"``), 0 on
+    padding: what a serving engine that takes only the kept embeddings numbers them."""
+    return (valid.long().cumsum(dim=1) - 1).clamp(min=0)

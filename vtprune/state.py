@@ -196,6 +196,7 @@ class CallState:
     decoded: int = 0
     pre_llm_valid: torch.Tensor | None = None
     pre_llm_padded: bool = False
+    pre_llm_removed: torch.Tensor | None = None  # [B] tokens a compact pre-LLM stage removed (else None)
     regions: list[DecodeRegion] = field(default_factory=list)
     decode_columns: torch.Tensor | None = None
     step: dict[Any, Any] = field(default_factory=dict)
