@@ -80,9 +80,9 @@ def test_release_positions_are_the_compacted_ones():
     assert release.plan.positions == "compact"
     compact, same = _run("pdrop", 0.125, schedule="1:0.4375,2:0.1875,3:0.125", positions="compact")
     assert compact.last_stats.kept_indices == release.last_stats.kept_indices
-    torch.testing.assert_close(logits, same, atol=0, rtol=0)
+    torch.testing.assert_close(logits, same, atol=0, rtol=0, equal_nan=True)  # NaN: pruned visual positions
     original, other = _run("pdrop", 0.125, schedule="1:0.4375,2:0.1875,3:0.125")
-    assert not torch.equal(other, logits)  # the compaction is what differs
+    assert not torch.equal(other.nan_to_num(), logits.nan_to_num())  # the compaction is what differs
     fastv, _ = _run("fastv", 0.25, parity="release")
     assert fastv.plan.positions == "original" and fastv.last_stats.kept == [[16]]  # R = 16 of 64 exactly
 

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+LOGITS_LAYOUTS = ("input", "pruned")
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -67,10 +69,32 @@ def parse_schedule(schedule: str | list | tuple | None) -> tuple[Stage, ...] | N
                 pairs.append((int(layer), float(keep)))
             except ValueError as err:
                 raise ValueError(f"schedule entry {item!r}: LAYER must be an int and KEEP a float.") from err
+    elif isinstance(schedule, list | tuple):
+        pairs = [_stage_pair(p) for p in schedule]
     else:
-        pairs = [tuple(p) if not isinstance(p, Stage) else (p.layer, p.keep) for p in schedule]
-    stages = tuple(Stage(int(layer), float(keep)) for layer, keep in pairs)
-    return stages
+        raise ValueError(f"schedule={schedule!r} must be a string 'LAYER:KEEP,...' or a list of (layer, keep) pairs.")
+    if not pairs:
+        raise ValueError(f"schedule={schedule!r} has no LAYER:KEEP stage; give one, e.g. schedule='2:0.25', or "
+                         "leave schedule unset (None) for the method's own schedule.")
+    return tuple(Stage(stage_layer(layer, f"layer of schedule entry {(layer, keep)!r}"),
+                       check_keep(keep, f"keep of schedule entry {(layer, keep)!r}")) for layer, keep in pairs)
+
+
+def _stage_pair(item: Any) -> tuple[Any, Any]:
+    """``(layer, keep)`` of one schedule entry given as a :class:`Stage` or a pair."""
+    if isinstance(item, Stage):
+        return item.layer, item.keep
+    if isinstance(item, list | tuple) and len(item) == 2:
+        return item[0], item[1]
+    raise ValueError(f"schedule entry {item!r} must be a (layer, keep) pair, e.g. [(2, 0.5), (8, 0.25)].")
+
+
+def stage_layer(value: Any, name: str = "layer") -> int:
+    """``value`` as a decoder-layer index: an int (or an integral float such as 2.0); 1.7, True, '2' are refused."""
+    integral = isinstance(value, float) and math.isfinite(value) and value.is_integer()
+    if isinstance(value, bool) or not (isinstance(value, int) or integral):
+        raise ValueError(f"{name} must be an integer decoder-layer index, got {value!r}; e.g. 2.")
+    return int(value)
 
 
 def validate_stages(stages: tuple[Stage, ...], num_layers: int) -> None:
@@ -97,6 +121,8 @@ def validate_stages(stages: tuple[Stage, ...], num_layers: int) -> None:
 
 def check_keep(keep: Any, name: str = "keep") -> float:
     """Return ``keep`` as a float or raise ``ValueError`` if it is not in ``(0, 1]``."""
+    if isinstance(keep, bool):
+        raise ValueError(f"{name} must be a number in (0, 1], got {keep!r}; e.g. keep=0.25.")
     try:
         value = float(keep)
     except (TypeError, ValueError) as err:
@@ -122,6 +148,10 @@ class PruneConfig:
         for this model depth, ending at ``keep``.
     layer: optional single pruning layer, shorthand for ``schedule=f"{layer}:{keep}"``.
     positions: ``"original"`` (kept tokens keep their position ids; default) or ``"compact"``.
+    logits: layout of the outputs of a pruned prefill. ``"input"`` (default): one row per input token, as the
+        unwrapped model (text positions exact, pruned visual positions NaN, padding 0); ``"pruned"``: one row
+        per kept token, ``output.kept_positions`` ``[B, L_kept]`` gives each row's input position
+        (:mod:`vtprune.outputs`).
     parity: ``"default"`` (vtprune's rules) or ``"release"``: the method's released count rounding, position
         policy and debiasing patch, for token-for-token reproduction (:mod:`vtprune.methods.release`).
     debias: ``False``, ``True`` (the model's calibration or the default trend) or a calibration file path.
@@ -138,6 +168,7 @@ class PruneConfig:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     parity: str = "default"
+    logits: str = "input"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -147,6 +178,9 @@ class PruneConfig:
         self.keep = check_keep(self.keep)
         if self.positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {self.positions!r}.")
+        if self.logits not in LOGITS_LAYOUTS:
+            raise ValueError(f"logits must be 'input' (one row per input token, the default) or 'pruned' (one row "
+                             f"per kept token, mapped by output.kept_positions), got {self.logits!r}.")
         if self.parity not in ("default", "release"):
             raise ValueError(f"parity must be 'default' (vtprune's rules) or 'release' (the method's released code), "
                              f"got {self.parity!r}.")
@@ -154,8 +188,7 @@ class PruneConfig:
             raise ValueError("give either layer=K or schedule='K:KEEP,...', not both.")
         self.stages = parse_schedule(self.schedule)
         if self.layer is not None:
-            if not isinstance(self.layer, int) or isinstance(self.layer, bool):
-                raise ValueError(f"layer must be an int (the first decoder layer that sees pruned tokens), got {self.layer!r}.")
-            self.stages = (Stage(self.layer, self.keep),)
+            self.stages = (Stage(stage_layer(self.layer, "layer (the first decoder layer that sees pruned tokens)"),
+                                 self.keep),)
         if self.stages is not None:
             self.keep = self.stages[-1].keep

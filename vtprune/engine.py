@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vtprune import decode, kv, prefill
+from vtprune import decode, guards, kv, outputs, prefill
 from vtprune.adapters.base import Adapter
 from vtprune.calls import CallRegistry
 from vtprune.config import PruneConfig
@@ -64,6 +64,7 @@ class PruneHandle:
         self.calls = CallRegistry()
         self.observers: list[Callable[[StageRecord], None]] = []
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._guards: list[Any] = []
         self._warned_training = False
         self.retains_kv = bool(getattr(self.scorer, "retains_kv", False))
         self.kv_ratios = kv_profile(self.scorer, adapter, config.keep) if self.retains_kv else None
@@ -131,6 +132,8 @@ class PruneHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        guards.uninstall(self, self._guards)
+        self._guards.clear()
         self.calls.clear()
         if getattr(self.model, "_vtprune_handle", None) is self:
             del self.model._vtprune_handle
@@ -168,6 +171,8 @@ class PruneHandle:
         self._hooks.append(model.register_forward_hook(post, with_kwargs=True, always_call=True))
         lm = self.adapter.language_model
         self._hooks.append(lm.register_forward_pre_hook(EagerHook(self._lm_pre_hook), with_kwargs=True))
+        if getattr(self.config, "logits", "input") == "input" and not self.retains_kv:
+            self._hooks.append(lm.register_forward_hook(EagerHook(self._lm_post_hook), with_kwargs=True))
         first = 0 if self.retains_kv else min((s.layer for s in self.plan.llm_stages), default=None)
         for index, layer in enumerate(self.adapter.decoder_layers):
             if index in self.score_layers or (first is not None and index >= first):
@@ -179,9 +184,19 @@ class PruneHandle:
                 self._hooks.append(capture.module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._hooks.append(capture.module.register_forward_hook(hook, with_kwargs=True))
+        self._guards = guards.install(self)
 
     # -- whole-model hooks --------------------------------------------------------------------------
     def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        depth = len(self.calls.frames)
+        try:
+            return self._open_frame(module, args, kwargs)
+        except BaseException as error:  # an Exception reaches the always-called post-hook; anything else not
+            if not isinstance(error, Exception):
+                self.calls.unwind_to(depth)
+            raise
+
+    def _open_frame(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         frame = self.calls.enter()
         pending = self.calls.take_pending()
         if module.training:
@@ -193,11 +208,13 @@ class PruneHandle:
         cache = _cache_of(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
             frame.call = self._continue(cache, kwargs)
-            fixed = decode.unseen_tokens(frame.call, kwargs) if frame.call is not None else None
+            total = self.calls.take_total(cache)
+            fixed = decode.unseen_tokens(frame.call, kwargs, total) if frame.call is not None else None
             return None if fixed is None else (args, fixed)
         # Whether the prompt has visual tokens (and how many) is read at the LM pre-hook, in the prefill's one
         # transfer from the device; a call without any is abandoned there.
         frame.call = self._new_call(input_ids, self.adapter.visual_mask(input_ids), kwargs, pending)
+        frame.call.cache_problem = guards.cache_problem(cache)
 
     def _continue(self, cache: Any, kwargs: dict) -> CallState | None:
         """The call whose decode state ``cache`` holds (a decode step or a follow-up turn), or None."""
@@ -257,7 +274,9 @@ class PruneHandle:
         cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
         if ran and cache is not None and self.retains_kv:
             kv.evict(self, call, cache)
-        if output is not None and call.views:
+        pruned = bool(stats.stage_layers)  # KV retention without a cache (use_cache=False) pruned nothing
+        if output is not None and call.views and pruned:
+            outputs.attach_positions(output, _kept_positions(call))
             stats.defer_kept_indices(call.stage_ordinals)
             self.stats.append(stats)
             self.calls.last_stats = stats
@@ -282,6 +301,16 @@ class PruneHandle:
         if call.decoding:
             return args, decode.lm_kwargs(call, kwargs)
         return prefill.lm_input(self, call, args, kwargs)
+
+    def _lm_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """Prefill with ``logits="input"``: the LM's last hidden state back in the input layout, before ``lm_head``."""
+        call = self.calls.current()
+        if call is None or call.decoding or not call.views or (len(call.views) == 1 and call.pre_llm_index is None):
+            return None
+        hidden = outputs.last_hidden(output)
+        if hidden is None:
+            return None
+        return outputs.set_output_rows(output, outputs.to_input_layout(hidden, _kept_positions(call), call.visual))
 
 
 class EagerHook:
@@ -344,6 +373,12 @@ def kv_profile(scorer: Scorer, adapter: Adapter, keep: float) -> list[float] | N
         return None
     budgets = read_profile(scorer.profile, adapter.config.model_type, adapter.num_layers, scorer.scope)
     return profile_ratios(budgets, keep, f"profile {scorer.profile!r}")
+
+
+def _kept_positions(call: CallState) -> torch.Tensor:
+    """``[B, L_kept]``: the input position of each row of the call's pruned layout (-1 on padding rows)."""
+    view = call.views[-1]
+    return outputs.final_positions(view.index, view.valid, call.pre_llm_index)
 
 
 def _cache_of(kwargs: dict) -> Any:
