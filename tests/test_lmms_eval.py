@@ -287,3 +287,78 @@ def test_qwen_loglikelihood_feeds_the_continuation_through_the_cache() -> None:
     (logprob, _), = lm.loglikelihood([request])
     lm.handle.remove()
     assert logprob < 0 and logprob == logprob
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loglikelihood against the independent reference (issue 24, item 3)
+# ---------------------------------------------------------------------------------------------------------
+LOGLIKELIHOOD_CASES = [
+    ("vtprune_llava", "tiny:llava", {"method": "fastv", "layer": 2}),
+    ("vtprune_llava", "tiny:llava", {"method": "pdrop", "schedule": "1:0.6;2:0.4;3:0.3"}),
+    ("vtprune_llava", "tiny:llava", {"method": "divprune"}),
+    ("vtprune_llava", "tiny:llava", {"method": "prefixkv"}),
+    ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "fastv", "layer": 2}),
+    ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "random", "layer": 0, "seed": 3}),
+    ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "prefixkv"}),
+]
+
+
+def _reference_continuation(model, full: dict, prompt_length: int, stats) -> Any:
+    """``[n_cont, V]`` logits predicting each continuation token, recomputed without a cache by
+    ``tests/independent_reference.py`` with the visual tokens the plugin's prefill kept."""
+    import torch
+    from independent_reference import _kv_step, _visual_positions, reference_step
+
+    ids = full["input_ids"]
+    prompt = {k: v[:, :prompt_length] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
+              for k, v in full.items()}
+    if stats.retained_kv:  # KV retention: layer l's cache keeps kept[l]; the prompt itself sees every token
+        visual = _visual_positions(model, ids)
+        allowed = []
+        for layer_kept in stats.kept_indices:
+            keys = torch.ones(prompt_length, dtype=torch.bool)
+            keys[visual] = False
+            keys[visual[torch.tensor(layer_kept, dtype=torch.long)]] = True
+            allowed.append(keys)
+        step = lambda current: _kv_step(model, prompt, current, prompt_length, allowed)  # noqa: E731
+    else:
+        kept = [stage[0] for stage in stats.kept_indices]
+        step = lambda current: reference_step(model, prompt, current, stats.stage_layers, kept)  # noqa: E731
+    with torch.no_grad():
+        return torch.stack([step(ids[:, :n]).float() for n in range(prompt_length, ids.shape[1])])
+
+
+@pytest.mark.parametrize("model_id, spec, options", LOGLIKELIHOOD_CASES,
+                         ids=[f"{spec.split(':')[1]}-{o['method']}" for _, spec, o in LOGLIKELIHOOD_CASES])
+def test_loglikelihood_equals_the_independent_reference(model_id: str, spec: str, options: dict) -> None:
+    """The plugin's ``(log p(continuation | context, images), is_greedy)`` equals a hand computation: the prompt's
+    kept visual tokens (from the plugin's own prefill) and the continuation recomputed without a cache."""
+    import torch
+    from lmms_eval.api.instance import Instance
+    from vtprune.eval.lmms_plugin import models
+    from vtprune.eval.lmms_plugin.inputs import encode, prompt_text
+    from vtprune.eval.shapes import make_split
+
+    cls = {"vtprune_llava": models.VTPruneLlava, "vtprune_qwen_vl": models.VTPruneQwenVL}[model_id]
+    lm = cls(pretrained=spec, keep=0.3, device="cpu", **options)
+    image = make_split("val", 1)[0].image
+    lm.task_dict = {"t": {"test": [{"image": image}]}}
+    question, continuations = "What color is the circle?", [" red", " blue circle top left"]
+    requests = [Instance("loglikelihood", (question, c, lambda doc: [doc["image"]], 0, "t", "test"), idx=i,
+                         metadata={"task": "t", "doc_id": 0, "repeats": 1}) for i, c in enumerate(continuations)]
+    results, kept = [], []
+    for request in requests:  # one at a time: the stats of each request's prefill
+        results += lm.loglikelihood([request])
+        kept.append(lm.handle.last_stats)
+    lm.handle.remove()
+    assert kept[0].kept_indices == kept[1].kept_indices  # every candidate answer is scored on the same kept tokens
+    model_type = lm.model.config.model_type
+    prompt_length = encode(lm.processor, [prompt_text(lm.processor, model_type, question, 1)], [image])["input_ids"].shape[1]
+    for continuation, (logprob, greedy), stats in zip(continuations, results, kept, strict=True):
+        full = encode(lm.processor, [prompt_text(lm.processor, model_type, question, 1) + continuation], [image])
+        logits = _reference_continuation(lm.model, full, prompt_length, stats)
+        targets = full["input_ids"][0, prompt_length:]
+        assert len(targets) >= 1 and stats.kept[-1][0] < stats.visual_tokens[0]  # something was pruned
+        expected = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).sum()
+        assert logprob == pytest.approx(float(expected), abs=1e-4)
+        assert greedy == bool((logits.argmax(-1) == targets).all())

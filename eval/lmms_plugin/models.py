@@ -225,7 +225,10 @@ class VTPruneModel(lmms):
     def _continuation_logits(self, full: dict, n_cont: int) -> torch.Tensor:
         """Logits ``[1, n_cont, V]`` predicting the continuation: the prompt is prefilled (and pruned) first,
         then the continuation is fed through the KV cache, exactly as ``generate`` would see it (pruning
-        decisions come from the prompt's last token, not from the continuation)."""
+        decisions come from the prompt's last token, not from the continuation, so every candidate answer of a
+        question is scored on the same kept tokens). One request, no padding: ``out.logits[:, -1]`` is the
+        prompt's last token in either logits layout, and the continuation's rows are never pruned. Tested
+        against ``tests/independent_reference.py`` (``test_loglikelihood_equals_the_independent_reference``)."""
         length = full["input_ids"].shape[1] - n_cont
         prompt = {k: v[:, :length] if k in ("input_ids", "attention_mask", "mm_token_type_ids") else v
                   for k, v in full.items()}
