@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,7 @@ class Frame:
 
     call: Any = None
     locked: bool = False
+    guarded: bool = False  # claimed by the forward guard, which closes it on a BaseException
 
 
 @dataclass
@@ -35,6 +38,7 @@ class _Local(threading.local):
     pending: dict[str, Any] = field(default_factory=dict)
     last_stats: Any = None
     request: dict[str, Any] = field(default_factory=dict)
+    continuing: dict[int, int] = field(default_factory=dict)
 
 
 class CallRegistry:
@@ -52,6 +56,27 @@ class CallRegistry:
         frame = Frame(locked=True)
         self._local.frames.append(frame)
         return frame
+
+    def claim(self) -> Frame | None:
+        """The frame the model's pre-hook just opened for this forward, marked as the forward guard's (or None)."""
+        frames = self._local.frames
+        if not frames or frames[-1].guarded:
+            return None
+        frames[-1].guarded = True
+        return frames[-1]
+
+    def unwind(self, frame: Frame) -> None:
+        """Close ``frame`` and every frame above it on this thread, releasing their locks (a forward that ended
+        with a ``BaseException``, whose always-called hooks did not run)."""
+        frames = self._local.frames
+        if any(f is frame for f in frames):
+            while frames and self.exit() is not frame:
+                pass
+
+    def unwind_to(self, depth: int) -> None:
+        """Close this thread's frames above the first ``depth`` ones."""
+        while len(self._local.frames) > depth:
+            self.exit()
 
     def exit(self) -> Frame | None:
         """End the forward on this thread: pop its frame and release the lock (no-op without a frame)."""
@@ -104,6 +129,25 @@ class CallRegistry:
     def live_calls(self) -> int:
         """Number of caches whose decode state is still held (they are alive somewhere)."""
         return sum(1 for ref, _ in list(self._by_cache.values()) if ref() is not None)
+
+    @contextmanager
+    def continuing(self, cache: Any, total: int) -> Iterator[None]:
+        """While a ``generate()`` call continues ``cache`` on this thread: the conversation it was given is
+        ``total`` tokens long (its first forward may feed tokens the cache has already seen)."""
+        table, key = self._local.continuing, id(cache)
+        previous = table.get(key)
+        table[key] = total
+        try:
+            yield
+        finally:
+            if previous is None:
+                table.pop(key, None)
+            else:
+                table[key] = previous
+
+    def take_total(self, cache: Any) -> int | None:
+        """The conversation length recorded for ``cache`` on this thread (once: only the first forward uses it)."""
+        return self._local.continuing.pop(id(cache), None)
 
     # -- per-thread data ------------------------------------------------------------------------------
     @property

@@ -92,18 +92,23 @@ def _region_update(handle: PruneHandle, call: CallState, region: int, new_tokens
     return update
 
 
-def unseen_tokens(call: CallState, kwargs: dict) -> dict | None:
+def unseen_tokens(call: CallState, kwargs: dict, total: int | None = None) -> dict | None:
     """The forward's inputs cut to the tokens its cache has not seen, when ``generate()`` got them wrong.
 
     ``generate()`` continuing from a cache (a follow-up turn) feeds the tokens beyond the cache's layer-0
     length. After a pre-LLM stage or KV retention layer 0 holds fewer entries than the tokens it has seen, so
-    it feeds some seen tokens again; the 2-D mask still spans the whole conversation, which tells the true
-    number of new tokens. Returns None when nothing needs cutting.
+    it feeds some seen tokens again. The call knows how many tokens (columns) it has consumed
+    (``prompt_length + decoded``); the conversation's length is the 2-D mask's width, else ``total``: the
+    length of the ``input_ids`` the ``generate()`` call was given (recorded by
+    :class:`vtprune.guards.GenerateGuard`, since ``generate()`` drops an all-ones mask). Without either, every
+    token of the forward is new. Returns None when nothing needs cutting.
     """
     mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids")
-    if call.pre_llm_valid is None or ids is None or not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        total = mask.shape[1]
+    if call.pre_llm_valid is None or ids is None or total is None:
         return None
-    given, new = ids.shape[1], mask.shape[1] - call.prompt_length - call.decoded
+    given, new = ids.shape[1], total - call.prompt_length - call.decoded
     if new <= 0 or given <= new:
         return None
     fixed = dict(kwargs)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from vtprune.errors import UserError
+from vtprune.guards import unsupported_cache_message
 from vtprune.layout import attention_mask_for, gather_tokens, mask_style
 from vtprune.methods.base import merge_step
 from vtprune.scoring import ScoreContext
@@ -43,6 +45,8 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
     if not any(counts):  # no visual token: this forward runs unpruned
         call.abandoned = True
         return None
+    if call.cache_problem is not None:
+        raise UserError(unsupported_cache_message(call.cache_problem))
     handle.plan_counts(call, counts)
     call.left_padding = not all(first) or all(last)
     call.text_counts = [n - v for n, v in zip(lengths, call.visual_counts, strict=True)]

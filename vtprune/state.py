@@ -190,6 +190,7 @@ class CallState:
     next_stage: int = 0
     pending_scores: torch.Tensor | None = None
     pre_llm_index: torch.Tensor | None = None
+    cache_problem: str | None = None  # the kind of an unsupported cache passed to this prefill (refused if it prunes)
     # decode
     abandoned: bool = False
     decoding: bool = False

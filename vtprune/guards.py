@@ -1,0 +1,172 @@
+"""What hooks cannot do: release a forward's state on *any* exit, and check a ``generate()`` call's options.
+
+PyTorch runs always-called forward hooks only when the forward raises an ``Exception``; a ``KeyboardInterrupt``
+(any ``BaseException``) skips them. :class:`ForwardGuard` wraps the wrapped model's ``forward`` (an attribute
+of that one instance, removed exactly by ``handle.remove()``) so that the frame and the model lock that the
+pre-hook took are released on every exit. :class:`GenerateGuard` wraps the instance's ``generate`` the same way:
+it refuses, at the call and in one line, the decoding paths whose results a pruned cache would silently change
+(``use_cache=False``, static caches, assisted / prompt-lookup decoding, chunked prefill), and it records how
+long the conversation given to a ``generate()`` that continues a pruned cache is (a follow-up turn), so that
+the engine feeds the language model only the tokens the cache has not seen even when ``generate()`` dropped an
+all-ones attention mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from vtprune.errors import UserError
+
+if TYPE_CHECKING:
+    from vtprune.engine import PruneHandle
+
+PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
+ASSISTED = {
+    "assistant_model": "assisted decoding (assistant_model=...)",
+    "prompt_lookup_num_tokens": "prompt-lookup decoding (prompt_lookup_num_tokens={value!r})",
+    "assistant_early_exit": "self-speculative decoding (assistant_early_exit={value!r})",
+    "use_mtp": "multi-token-prediction decoding (use_mtp=True)",
+}
+COPY_MESSAGE = "a model wrapped by vtprune cannot be copied or pickled; call handle.remove() first."
+
+
+def cache_problem(cache: Any) -> str | None:
+    """None for a cache vtprune can prune (a plain ``DynamicCache`` of full-attention layers, not offloaded), else
+    the cache's kind for an error message. Pruning gives every layer its own length, which only that holds."""
+    if cache is None:
+        return None
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = getattr(cache, "layers", [])
+    if type(cache) is not DynamicCache:
+        return f"a {type(cache).__name__}"
+    if getattr(cache, "offloading", False):
+        return "an offloaded DynamicCache"
+    if any(type(layer) is not DynamicLayer for layer in layers):
+        return "a DynamicCache with sliding-window or quantized layers"
+    return None
+
+
+def unsupported_cache_message(kind: str) -> str:
+    return (f"vtprune cannot prune into {kind}: pruning gives every decoder layer its own cache length, which only "
+            "the default DynamicCache holds; use it (generate(..., cache_implementation=None), or pass "
+            "DynamicCache()), or call handle.remove() for this call.")
+
+
+def _option(model: Any, kwargs: dict, name: str) -> Any:
+    """The value ``generate()`` will use for ``name``: its keyword, else its generation config's, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, name, None)
+
+
+def generate_problem(handle: PruneHandle, kwargs: dict) -> str | None:
+    """A one-line error for a ``generate()`` call that would prune with a decoding path vtprune cannot keep
+    exact, or None. Only calls that prune (images, or a cache continuing a pruned call) are checked."""
+    model = handle.model
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    prunes = any(kwargs.get(k) is not None for k in PIXEL_KEYS) or (
+        cache is not None and handle.calls.lookup(cache) is not None)
+    if not prunes:
+        return None
+    if _option(model, kwargs, "use_cache") is False:
+        return ("vtprune: generate(use_cache=False) is not supported on a pruned model: without a cache every "
+                "step runs the prefill again, so the method would choose its tokens again at every step "
+                "(prefixkv would prune nothing); keep the cache (use_cache=True, the default), or call "
+                "handle.remove() for this call.")
+    implementation = _option(model, kwargs, "cache_implementation")
+    if implementation not in (None, "dynamic"):
+        return (f"vtprune: generate(cache_implementation={implementation!r}) is not supported: pruning gives every "
+                "decoder layer its own cache length, which only the default DynamicCache holds; use "
+                "cache_implementation=None (or 'dynamic'), or call handle.remove() for this call.")
+    kind = cache_problem(cache)
+    if kind is not None:
+        return unsupported_cache_message(kind)
+    for name, label in ASSISTED.items():
+        value = _option(model, kwargs, name)
+        if value not in (None, False):
+            return (f"vtprune: {label.format(value=value)} is not supported on a pruned model: it crops the cache "
+                    "by positions that pruned layers do not have; decode without it (drop "
+                    f"{name}), or call handle.remove() for this call.")
+    if _option(model, kwargs, "prefill_chunk_size") is not None:
+        return ("vtprune: chunked prefill (prefill_chunk_size=...) is not supported on a pruned model: the "
+                "method must see the whole prompt at once; drop prefill_chunk_size, or call handle.remove() for "
+                "this call.")
+    return None
+
+
+class _Guard:
+    """A callable wrapping one bound method of one model instance; copying or pickling it is refused."""
+
+    def __init__(self, handle: PruneHandle, wrapped: Any) -> None:
+        functools.update_wrapper(self, wrapped)  # name, docstring and ``__wrapped__`` (inspect.signature)
+        self.handle: PruneHandle | None = handle
+        self.wrapped = wrapped
+
+    def __deepcopy__(self, memo: dict) -> _Guard:
+        raise TypeError(COPY_MESSAGE)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(COPY_MESSAGE)
+
+
+class ForwardGuard(_Guard):
+    """The model's ``forward``: on a ``BaseException`` that is not an ``Exception`` (which always-called hooks
+    miss), close the frame the pre-hook opened for this forward (and any inner one) and release the lock."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.handle
+        frame = handle.calls.claim() if handle is not None else None
+        try:
+            return self.wrapped(*args, **kwargs)
+        except BaseException as error:
+            if frame is not None and not isinstance(error, Exception):
+                handle.calls.unwind(frame)
+            raise
+
+
+class GenerateGuard(_Guard):
+    """The model's ``generate``: refuse unsupported decoding paths at the call; record a follow-up's length."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self.handle
+        if handle is None:
+            return self.wrapped(*args, **kwargs)
+        problem = generate_problem(handle, kwargs)
+        if problem is not None:
+            raise UserError(problem)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        tokens = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if cache is None or tokens is None or handle.calls.lookup(cache) is None:
+            return self.wrapped(*args, **kwargs)
+        with handle.calls.continuing(cache, tokens.shape[1]):
+            return self.wrapped(*args, **kwargs)
+
+
+def install(handle: PruneHandle) -> list[Any]:
+    """Put the two guards on ``handle.model`` (instance attributes); returns what :func:`uninstall` needs."""
+    model, installed = handle.model, []
+    for name, kind in (("forward", ForwardGuard), ("generate", GenerateGuard)):
+        if not callable(getattr(model, name, None)):
+            continue
+        previous = model.__dict__.get(name)  # an instance attribute already there (accelerate's forward), or None
+        guard = kind(handle, getattr(model, name))
+        object.__setattr__(model, name, guard)
+        installed.append((name, guard, previous))
+    return installed
+
+
+def uninstall(handle: PruneHandle, installed: list[Any]) -> None:
+    """Restore the model's own attributes; a guard that something else wrapped since becomes a pass-through."""
+    model = handle.model
+    for name, guard, previous in reversed(installed):
+        guard.handle = None
+        if model.__dict__.get(name) is guard:
+            if previous is None:
+                del model.__dict__[name]
+            else:
+                model.__dict__[name] = previous
