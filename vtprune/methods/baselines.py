@@ -27,6 +27,12 @@ class NoPruning(Scorer):
         return torch.zeros(ctx.valid.shape, device=ctx.valid.device)
 
 
+def random_values(count: int, seed: int = 0, layer: int = 0) -> torch.Tensor:
+    """``[count]`` fp32 seeded uniform values, one per visual ordinal (``random`` keeps the highest; the vLLM
+    plugin uses the same values per image)."""
+    return torch.rand(count, generator=torch.Generator().manual_seed(seed * 1000 + layer))
+
+
 @register_method
 @dataclass(frozen=True)
 class RandomPruning(Scorer):
@@ -36,8 +42,7 @@ class RandomPruning(Scorer):
     seed: int = 0
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1000 + ctx.stage.layer)
-        table = torch.rand(max(ctx.visual_counts, default=0) + 1, generator=generator).to(ctx.valid.device)
+        table = random_values(max(ctx.visual_counts, default=0) + 1, self.seed, ctx.stage.layer).to(ctx.valid.device)
         return torch.where(ctx.ordinal >= 0, table[ctx.ordinal.clamp(min=0)], torch.zeros_like(table[:1]))
 
 

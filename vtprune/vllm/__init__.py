@@ -1,0 +1,22 @@
+"""vtprune inside vLLM: pre-LLM visual-token pruning as a vLLM plugin (``pip install vtprune[vllm]``).
+
+vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in each of its processes; it only
+registers architecture names (``VtpruneLlavaForConditionalGeneration``, ...). A model opts in with
+``hf_overrides={"architectures": ["Vtprune..."], "vtprune": {"method": "divprune", "keep": 0.25}}``.
+Importing this package imports neither vLLM nor torch; ``import vtprune`` does not import it.
+"""
+
+from __future__ import annotations
+
+from vtprune.vllm.settings import ARCHITECTURES, VLLM_METHODS, VllmPruning, check_vllm_version
+
+__all__ = ["ARCHITECTURES", "VLLM_METHODS", "VllmPruning", "check_vllm_version", "register"]
+
+
+def register() -> None:
+    """vLLM plugin entry point: register the pruned architectures (lazily, by module path); nothing else."""
+    from vllm import ModelRegistry
+
+    for name, target in ARCHITECTURES.items():
+        if name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(name, target)

@@ -1,0 +1,137 @@
+"""What the pruned LLaVA and Qwen-VL classes share inside vLLM (imports vLLM; loaded only by vLLM's registry).
+
+* :class:`PrunedProcessorMixin` (front end): every multimodal item carries its keep fraction
+  (``vtprune_keep_<modality>``, parts per million, from ``mm_processor_kwargs['vtprune_keep']`` or the model's
+  setting) and the prompt gets ``kept_count`` placeholders per item instead of all of them.
+* :class:`PrunedModelMixin` (workers): reads and checks the settings at start-up and keeps the selected rows of
+  each item (:func:`vtprune.vllm.select.select_rows`), identical on every tensor-parallel rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from vtprune.vllm.select import kept_count, select_rows
+from vtprune.vllm.settings import REQUEST_KEY, VllmPruning, check_vllm_version
+
+PPM = 1_000_000
+
+
+def keep_field(modality: str) -> str:
+    """Name of the per-item keep field of ``modality`` (travels with the item's tensors)."""
+    return f"vtprune_keep_{modality}"
+
+
+def without_request_key(kwargs: Mapping[str, object]) -> dict[str, object]:
+    """``kwargs`` without vtprune's request key (the HF processor never sees it)."""
+    return {key: value for key, value in kwargs.items() if key != REQUEST_KEY}
+
+
+def item_keeps(values: Any, count: int, default: float) -> list[float]:
+    """``count`` keep fractions from a batched ppm field (``None``: the model's default)."""
+    if values is None:
+        return [default] * count
+    flat = torch.as_tensor(values).reshape(-1).tolist() if not isinstance(values, list) else [
+        float(torch.as_tensor(v).reshape(-1)[0]) for v in values]
+    return [int(v) / PPM for v in flat]
+
+
+class PrunedProcessorMixin:
+    """Front-end side: a keep field per item and ``kept_count`` placeholders per item."""
+
+    #: modality -> the HF output field whose first dimension counts that modality's items
+    item_fields: dict[str, str] = {"image": "pixel_values"}
+
+    def vtprune_settings(self) -> VllmPruning:
+        return VllmPruning.from_config(self.info.get_hf_config())
+
+    def item_frames(self, item: Any, modality: str) -> int:
+        """Temporal patches of an item (1 for images): each keeps its own share."""
+        return 1
+
+    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]):
+        out = super()._call_hf_processor(hf_data, without_request_key(hf_kwargs))
+        keep = self.vtprune_settings().request_keep(dict(hf_kwargs))
+        for modality, name in self.item_fields.items():
+            if name in out:
+                out[keep_field(modality)] = torch.full((len(out[name]),), round(keep * PPM), dtype=torch.long)
+        return out
+
+    def _get_mm_fields_config(self, hf_inputs: Any, hf_processor_mm_kwargs: Mapping[str, object]):
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        config = dict(super()._get_mm_fields_config(hf_inputs, without_request_key(hf_processor_mm_kwargs)))
+        for modality in self.item_fields:
+            config[keep_field(modality)] = MultiModalFieldConfig.batched(modality, keep_on_cpu=True)
+        return config
+
+    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object],
+                            out_mm_kwargs: Any) -> Sequence[Any]:
+        updates = super()._get_prompt_updates(mm_items, without_request_key(hf_processor_mm_kwargs), out_mm_kwargs)
+        return [self._pruned_update(update, out_mm_kwargs) for update in updates]
+
+    def _pruned_update(self, update: Any, out_mm_kwargs: Any) -> Any:
+        inner, modality = update.replacement, update.modality
+
+        def replacement(item_idx: int) -> list[int]:
+            tokens = inner(item_idx) if callable(inner) else inner
+            if not isinstance(tokens, list):
+                raise TypeError(f"vtprune: unexpected placeholder replacement {type(tokens).__name__}.")
+            item = out_mm_kwargs[modality][item_idx]
+            keep = int(item[keep_field(modality)].data) / PPM
+            return tokens[:kept_count(keep, len(tokens), self.item_frames(item, modality))]
+
+        return dataclasses.replace(update, replacement=replacement)
+
+
+def find_runner() -> Any:
+    """vLLM's model runner that is building this model (found on the call stack), or ``None``."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(owner, "is_multimodal_pruning_enabled") and hasattr(owner, "uses_mrope"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class PrunedModelMixin:
+    """Worker side: checked settings and rank-identical selection of each item's rows."""
+
+    def vtprune_init(self, vllm_config: Any, needs_runner: bool = False) -> None:
+        check_vllm_version()
+        self.vtprune = VllmPruning.from_config(vllm_config.model_config.hf_config)
+        runner = find_runner() if needs_runner else None
+        if needs_runner and runner is None:
+            raise RuntimeError("vtprune: vLLM's model runner was not found while the model was built, so kept "
+                               "tokens could not get their original M-RoPE positions (untested vLLM version?).")
+        self._vtprune_runner = weakref.ref(runner) if runner is not None else None
+
+    def enable_position_updates(self) -> None:
+        """Make the runner call :meth:`recompute_mrope_positions` (vLLM does so only for EVS video pruning)."""
+        runner = self._vtprune_runner() if self._vtprune_runner is not None else None
+        if runner is not None:
+            runner.is_multimodal_pruning_enabled = True
+
+    def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int = 1) -> torch.Tensor:
+        """Sorted kept row indices ``[k]`` of one item ``[n, D]``; tensor-parallel ranks use rank 0's."""
+        rows = select_rows(self.vtprune.method, embeddings, keep, frames, self.vtprune.seed)
+        return broadcast_from_first_rank(rows)
+
+
+def broadcast_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` of tensor-parallel rank 0 on every rank (unchanged without tensor parallelism)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        if get_tensor_model_parallel_world_size() <= 1:
+            return rows
+    except (ImportError, AssertionError):
+        return rows
+    return get_tp_group().broadcast(rows.contiguous(), src=0)

