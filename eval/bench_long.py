@@ -246,36 +246,91 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vtprune.eval.bench_long", description=__doc__.split("\n\n")[0])
+    """The run's arguments; a bad value is one ``error:`` line and exit status 2, before any model is loaded."""
+    from vtprune.eval.shapes import SPLIT_SEEDS
+
+    from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, OneLineParser, int_range, name_list
+    from vtprune.media.video_io import MAX_FRAMES
+
+    parser = OneLineParser(prog="python -m vtprune.eval.bench_long", description=__doc__.split("\n\n")[0])
     parser.add_argument("--setting", choices=("video", "multi"), default="video")
     parser.add_argument("--model", default=None, help="default: embedded:qwen2_vl (video), embedded:llava (multi)")
-    parser.add_argument("--methods", default=None, help="comma-separated; default: every method of the setting")
-    parser.add_argument("--keep", default=KEEPS, help="comma-separated keep fractions below 1")
-    parser.add_argument("--split", default="test")
-    parser.add_argument("--clips", type=int, default=40, help="video: clips (two questions each)")
-    parser.add_argument("--frames", default="0", help="video: clip lengths, comma-separated (0: the split's 16-32)")
-    parser.add_argument("--images", default="2,4,8", help="multi: images per prompt, comma-separated")
-    parser.add_argument("--sets", type=int, default=30, help="multi: image sets per count (three questions each)")
-    parser.add_argument("--k", type=int, default=4, help="video: GridProbe grid side")
+    parser.add_argument("--methods", type=name_list, default=None,
+                        help="comma-separated; default: every method of the setting")
+    parser.add_argument("--keep", type=keep_list_below_one, default=KEEPS,
+                        help="comma-separated keep fractions in (0, 1)")
+    parser.add_argument("--split", choices=sorted(SPLIT_SEEDS), default="test")
+    parser.add_argument("--clips", type=int_range(1), default=40, help="video: clips (two questions each)")
+    parser.add_argument("--frames", type=int_list(0, MAX_FRAMES), default="0",
+                        help=f"video: clip lengths, comma-separated, each 0..{MAX_FRAMES} (0: the split's 16-32)")
+    parser.add_argument("--images", type=int_list(1, MAX_IMAGES), default="2,4,8",
+                        help=f"multi: images per prompt, comma-separated, each 1..{MAX_IMAGES}")
+    parser.add_argument("--sets", type=int_range(1), default=30, help="multi: image sets per count (three questions each)")
+    parser.add_argument("--k", type=int_range(1, MAX_GRID), default=4, help=f"video: GridProbe grid side, 1..{MAX_GRID}")
     parser.add_argument("--debias-file", default=None, help="calibration JSON for the +debias methods")
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default="sdpa")
+    parser.add_argument("--threads", type=int_range(1), default=1)
     parser.add_argument("--resume", action="store_true", help="continue the records.jsonl of --out")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     args.model = args.model or ("embedded:qwen2_vl" if args.setting == "video" else "embedded:llava")
-    args.methods = [m for m in (args.methods or (VIDEO_METHODS if args.setting == "video" else MULTI_METHODS)
-                                ).split(",") if m]
-    args.keep = [float(k) for k in args.keep.split(",") if k]
-    args.frames = [int(n) for n in args.frames.split(",") if n]
-    args.images = [int(n) for n in args.images.split(",") if n]
-    if any(not 0 < k < 1 for k in args.keep):
-        parser.error(f"--keep values must be in (0, 1), got {args.keep}")
+    args.methods = (args.methods or (VIDEO_METHODS if args.setting == "video" else MULTI_METHODS)).split(",")
     for spec in args.methods:
-        kind, *_ = method_parts(spec)
-        if kind == "gridprobe" and args.setting != "video":
-            parser.error(f"{spec}: GridProbe selects video frames (--setting video)")
+        try:
+            kind, token, _, options = method_parts(spec)
+            check_method(kind, token, options, args.setting)
+        except ValueError as error:
+            parser.error(f"argument --methods: {error}")
+    from vtprune.cli.checks import check_output_dir
+    from vtprune.methods.debias import check_debias_option
+
+    try:
+        check_output_dir(args.out)
+        if args.debias_file is not None:
+            check_debias_option(args.debias_file)
+    except ValueError as error:
+        parser.error(str(error))
     return args
+
+
+MAX_IMAGES = 16  # images per prompt in --setting multi (8 x 256 tokens already fill a 2k context)
+MAX_GRID = 16  # GridProbe's K: K * K <= 256 frames
+
+
+def keep_list_below_one(text: str) -> list[float]:
+    """argparse type: comma-separated keep fractions, each in ``(0, 1)`` (the unpruned row runs once anyway)."""
+    from vtprune.cli.checks import keep_list
+
+    values = [float(item) for item in keep_list(text).split(",")]
+    if any(value >= 1.0 for value in values):
+        raise argparse.ArgumentTypeError(f"keep fractions must be below 1 (the 'none' row is the unpruned run), "
+                                         f"got {text!r}")
+    return values
+
+
+def int_list(low: int, high: int):
+    """argparse type factory: comma-separated integers, each in ``[low, high]``."""
+    from vtprune.cli.checks import int_range
+
+    def parse(text: str) -> list[int]:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers such as '2,4', got {text!r}")
+        return [int_range(low, high)(item) for item in items]
+
+    parse.__name__ = "integer list"
+    return parse
+
+
+def check_method(kind: str, token: str, options: dict, setting: str) -> None:
+    """ValueError (one line) for a benchmark method the setting cannot run or vtprune does not know."""
+    from vtprune.methods import resolve
+
+    if kind == "gridprobe" and setting != "video":
+        raise ValueError("gridprobe selects video frames: use it with --setting video")
+    for name in (token, options.get("then")):
+        if name and name != "none":
+            resolve(name)
 
 
 def main(argv: list[str] | None = None) -> int:

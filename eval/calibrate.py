@@ -25,7 +25,7 @@ from vtprune.adapters import get_adapter
 import vtprune
 from vtprune.config import Stage
 from vtprune.errors import UserError
-from vtprune.media.images import open_image
+from vtprune.media.images import MAX_ASPECT, open_image
 from vtprune.media.video import frame_inputs
 from vtprune.methods import Scorer, resolve
 from vtprune.methods.debias import DEFAULT_TAU, FORMAT, binned_curve, fit_exponential
@@ -59,7 +59,7 @@ def calibration_items(data: str | None, n: int, task: str = "shapes") -> list[tu
         (p, DEFAULT_QUESTION) for p in sorted(folder.iterdir()) if p.suffix.lower() in (".png", ".jpg", ".jpeg")]
     if not pairs:
         raise UserError(f"--data {data!r} holds no images (png / jpg) and no questions.jsonl.")
-    return [(open_image(path), question) for path, question in pairs[:n]]
+    return [(open_image(path, max_aspect=MAX_ASPECT), question) for path, question in pairs[:n]]
 
 
 def _listed_pairs(folder: Path, listing: Path) -> list[tuple[Path, str]]:

@@ -7,7 +7,7 @@ Triton path runs, so importing this package needs neither triton nor a GPU. Alwa
 ``vtprune.kernels`` (never as a bare ``kernels``).
 """
 
-from ._dispatch import ENV_VAR, IMPLS, resolve_impl, triton_available
+from ._dispatch import ENV_VAR, IMPLS, check_environment, resolve_impl, triton_available
 from .merge import merge_tokens, merge_tokens_torch
 from .scoring import visual_attention_scores, visual_attention_scores_torch
 from .topk import segmented_topk, segmented_topk_torch, segmented_topk_torch_loop
@@ -15,6 +15,7 @@ from .topk import segmented_topk, segmented_topk_torch, segmented_topk_torch_loo
 __all__ = [
     "ENV_VAR",
     "IMPLS",
+    "check_environment",
     "merge_tokens",
     "merge_tokens_torch",
     "resolve_impl",

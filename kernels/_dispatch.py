@@ -105,6 +105,31 @@ def resolve_impl(impl: str, device: torch.device, triton_dtype_ok: bool = True) 
     return "triton"
 
 
+def check_environment(device: torch.device) -> None:
+    """Check ``$VTPRUNE_KERNEL_IMPL`` once, where a model is wrapped on ``device`` (one-line ``ValueError``).
+
+    The kernels read the variable at every call; a value they would refuse there (unknown, ``triton`` without
+    an importable triton, ``triton`` for a CPU model without ``TRITON_INTERPRET=1``) is refused here first, so
+    the error is not a traceback from inside ``generate``. Devices other than CPU / CUDA (``meta`` under
+    offload) are not judged.
+    """
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    if not env:
+        return
+    if env not in IMPLS:
+        raise ValueError(f"{ENV_VAR}={env!r} is not one of {', '.join(IMPLS)}; unset it or use one of those.")
+    if env != "triton":
+        return
+    err = triton_import_error()
+    if err is not None:
+        reason = (str(err).strip().splitlines() or [""])[0][:120]
+        raise ValueError(f"{ENV_VAR}=triton but `import triton` failed ({type(err).__name__}: {reason}); install "
+                         f"it (pip install 'vtprune[triton]') or unset {ENV_VAR} (or set it to 'torch').")
+    if device.type == "cpu" and not interpreter_enabled():
+        raise ValueError(f"{ENV_VAR}=triton but the model is on the CPU, where Triton runs only through its "
+                         f"interpreter: also set TRITON_INTERPRET=1, move the model to CUDA, or unset {ENV_VAR}.")
+
+
 def load_triton_module(name: str) -> ModuleType:
     """Import ``vtprune.kernels.<name>`` (a module defining ``@triton.jit`` kernels) lazily.
 

@@ -11,7 +11,7 @@ from PIL import Image
 
 from vtprune.cli import main
 from vtprune.errors import UserError
-from vtprune.media.images import MAX_IMAGE_PIXELS, crop_note, open_image, to_rgb
+from vtprune.media.images import MAX_IMAGE_PIXELS, aspect_limit, crop_note, open_image, to_rgb
 
 ORIENTATION = 0x0112
 
@@ -49,11 +49,14 @@ def _bad_files(tmp_path) -> dict[str, tuple[str, str]]:
 
 
 def test_bad_image_files_raise_one_clear_user_error(tmp_path):
-    for name, (path, words) in _bad_files(tmp_path).items():
+    files = _bad_files(tmp_path)
+    for name, (path, words) in files.items():
         with pytest.raises(UserError, match=re.escape(words)) as error:
-            open_image(path)
+            open_image(path, max_aspect=aspect_limit("qwen2_vl"))
         assert path in str(error.value) and "\n" not in str(error.value), name
     assert MAX_IMAGE_PIXELS < 20000 * 20000
+    assert open_image(files["thin"][0]).size == (3000, 10)  # no aspect limit unless the model has one
+    assert aspect_limit("llava") is None and aspect_limit("qwen2_5_vl") == 200
 
 
 def test_cli_reports_bad_images_in_one_line_before_loading(tmp_path, capsys, monkeypatch):
@@ -61,7 +64,8 @@ def test_cli_reports_bad_images_in_one_line_before_loading(tmp_path, capsys, mon
 
     monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("model loaded for a bad image"))
     for name, (path, words) in _bad_files(tmp_path).items():
-        assert main(["run", "--image", path, "--model", "tiny:llava", "--device", "cpu"]) == 2, name
+        model = "tiny:qwen2_vl" if name == "thin" else "tiny:llava"  # Qwen-VL's processor refuses above 200:1
+        assert main(["run", "--image", path, "--model", model, "--device", "cpu"]) == 2, name
         err = capsys.readouterr().err
         assert err.startswith("vtprune: error: ") and words in err and "Traceback" not in err, (name, err)
         assert len(err.strip().splitlines()) == 1, err

@@ -5,7 +5,8 @@ uses, so a malformed file fails when it is loaded (``debias=FILE``, ``--debias F
 naming it) with a :class:`~vtprune.errors.UserError` that names the file and the field, not later inside
 ``generate``. Checked: ``format``, ``layers`` (keys are layer indices; ``sigma`` finite with
 ``|sigma| <= MAX_SIGMA``; ``mu`` finite and positive; a ``curve`` with ``x`` strictly increasing in
-``[0, 1]`` and positive finite ``mean`` values of the same length), ``trend`` and ``tau``.
+``[0, 1]`` and positive finite ``mean`` values of the same length), ``trend``, ``tau`` and, where the model
+is known, ``model_type`` (a file fitted on another model type is refused, as PrefixKV profiles are).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ MAX_SIGMA = 20.0  # exp(20) ~ 5e8 between the first and the last visual token; f
 TRENDS = ("exp", "curve")
 
 
-def load_calibration_json(path: str | Path, form: str) -> dict[str, Any]:
-    """The checked JSON object of calibration file ``path`` (``form`` is the expected ``format`` value)."""
+def load_calibration_json(path: str | Path, form: str, model_type: str | None = None) -> dict[str, Any]:
+    """The checked JSON object of calibration file ``path`` (``form`` is the expected ``format`` value; with
+    ``model_type``, a file fitted on another model type is refused)."""
     name = str(path)
     file = Path(path)
     if not file.is_file():
@@ -36,7 +38,16 @@ def load_calibration_json(path: str | Path, form: str) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != form or "layers" not in data:
         raise UserError(f"{name} is not a vtprune debias calibration file; create one with `vtprune calibrate`.")
     check_calibration(data, name)
+    check_model_type(data, name, model_type)
     return data
+
+
+def check_model_type(data: dict[str, Any], name: str, model_type: str | None) -> None:
+    """Refuse a calibration fitted on another model type (its ``model_type`` field, when it has one)."""
+    fitted = data.get("model_type")
+    if model_type is not None and fitted is not None and fitted != model_type:
+        raise UserError(f"calibration file {name!r}: field 'model_type' is {fitted!r}, but the model is a "
+                        f"{model_type!r}; fit one on this model with `vtprune calibrate --model PATH --out FILE`.")
 
 
 def check_calibration(data: dict[str, Any], name: str) -> None:

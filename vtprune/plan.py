@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from vtprune.adapters.base import Adapter
 from vtprune.config import PruneConfig, Stage, keep_count, truncated_count, validate_stages
+from vtprune.kernels import check_environment as check_kernel_environment
 from vtprune.methods import release
 from vtprune.methods.base import Scorer
 
@@ -54,6 +57,7 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             f"method {scorer.name!r} needs {', '.join(missing)}, which {adapter.config.model_type} does not offer "
             f"(it offers {', '.join(sorted(adapter.capabilities))}); use a method such as 'fastv' or 'transprune'."
         )
+    check_kernel_environment(_device(adapter))
     positions, counting = config.positions, "round"
     if getattr(config, "parity", "default") == "release":  # the method's released count, positions, debias
         scorer, rule = release.for_release(scorer, adapter, config.positions)
@@ -67,6 +71,12 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             "use positions='original'."
         )
     return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting)
+
+
+def _device(adapter: Adapter) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without parameters)."""
+    parameter = next(iter(adapter.model.parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
 
 
 def check_stages(stages: tuple[Stage, ...], adapter: Adapter, scorer: Scorer, config: PruneConfig) -> None:

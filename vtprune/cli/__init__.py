@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from vtprune.cli.checks import int_range
+from vtprune.cli.checks import OneLineParser, check_question, int_range, model_type_of
 from vtprune.cli.help import apply_help
 from vtprune.cli.options import (
     add_pruning_arguments,
@@ -79,6 +79,7 @@ def _sample(index: int, model: str | None = None):
 def _question(args: argparse.Namespace, default: str) -> str:
     if args.question is not None and not args.question.strip():
         raise UserError("--question is empty; ask something, e.g. --question 'What color is the circle?'.")
+    check_question(args.question)
     return args.question or default
 
 
@@ -90,11 +91,11 @@ def command_run(args: argparse.Namespace) -> int:
 
         return command_run_video(args)
     from vtprune.cli.options import check_depth
-    from vtprune.media.images import crop_note, open_image
+    from vtprune.media.images import aspect_limit, crop_note, open_image
     from vtprune.models.loading import check_load
     from vtprune.models.vocabulary import question_note
 
-    check_load(args.model, args.device, args.attn, args.dtype)
+    target = check_load(args.model, args.device, args.attn, args.dtype)
     pruning = pruning_choice(args)
     check_depth(pruning, args.model)
     expected = None
@@ -102,7 +103,7 @@ def command_run(args: argparse.Namespace) -> int:
         image, question, expected = _sample(args.sample, args.model)
         question = _question(args, question)
     else:
-        image = open_image(args.image)
+        image = open_image(args.image, max_aspect=aspect_limit(model_type_of(target)))
         question = _question(args, "What is in the image?")
     record, processor = _answer(args, pruning, image, question)
     notes = [question_note(processor, question, record["model"].startswith("embedded")),
@@ -184,7 +185,7 @@ def command_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vtprune")
+    parser = OneLineParser(prog="vtprune")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:

@@ -20,6 +20,36 @@ from vtprune.errors import UserError
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "auto")
+# the prompt placeholders processors expand into visual tokens (LLaVA family, Qwen-VL family)
+VISUAL_PLACEHOLDERS = ("<image>", "<video>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` parser whose errors are one line, ``PROG: error: MESSAGE (see PROG -h)``, exit status 2.
+
+    Subcommand parsers made by ``add_subparsers`` inherit the class, so every ``vtprune`` command reports a bad
+    value in one line instead of the usage block followed by the error.
+    """
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} -h`)\n")
+
+
+def model_type_of(target: str) -> str | None:
+    """The ``model_type`` of a checked model target (a ``tiny:`` spec, a folder or a cached hub id), no weights read."""
+    if target.startswith("tiny:"):
+        return target.split(":", 1)[1]
+    from vtprune.models.loading import raw_config
+
+    return raw_config(target).get("model_type")
+
+
+def check_question(question: str | None, flag: str = "--question") -> None:
+    """Refuse a question holding a visual placeholder: the prompt template adds one per image or video."""
+    for placeholder in VISUAL_PLACEHOLDERS:
+        if question and placeholder in question:
+            raise UserError(f"{flag} contains {placeholder!r}, a placeholder the prompt template adds for each image "
+                            f"or video itself; remove it from the question.")
 
 
 def positive_int(text: str) -> int:

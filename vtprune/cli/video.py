@@ -54,6 +54,9 @@ def command_run_video(args: argparse.Namespace) -> int:
 
     if not (args.question or "").strip():
         raise UserError("--video needs --question TEXT (a non-empty question about the video).")
+    from vtprune.cli.checks import check_question
+
+    check_question(args.question)
     k = args.gridprobe
     frames = args.frames or (k * k if k else 8)
     args.model = args.model or default_video_spec()

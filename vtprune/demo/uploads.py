@@ -14,7 +14,7 @@ from pathlib import Path
 from PIL import Image
 
 from vtprune.errors import UserError
-from vtprune.media.images import MAX_IMAGE_PIXELS, open_image
+from vtprune.media.images import MAX_ASPECT, MAX_IMAGE_PIXELS, open_image
 from vtprune.media.video_io import probe
 
 MAX_UPLOAD_MB = 50
@@ -65,7 +65,7 @@ def _check_image(file: Path) -> None:
         raise UploadError(f"{file.name} is {width}x{height} pixels; the demo accepts up to "
                           f"{MAX_IMAGE_PIXELS / 1e6:.1f} megapixels.")
     try:
-        open_image(file)  # decodes every pixel: a truncated file fails here, not in the model run
+        open_image(file, max_aspect=MAX_ASPECT)  # decodes every pixel: a truncated file fails here, not later
     except UserError as error:
         reason = str(error).replace(f"image {str(file)!r}", file.name, 1)
         if "aspect ratio" not in reason:

@@ -4,7 +4,8 @@
 demo, ``vtprune calibrate --data``). It refuses, with a :class:`~vtprune.errors.UserError` naming the file
 and the fix: a missing path, a folder, an empty file, data Pillow cannot identify, a truncated or corrupt
 file, and images above :data:`MAX_IMAGE_PIXELS` (checked from the header, before any pixel is decoded, so a
-decompression bomb costs nothing). :func:`to_rgb` turns any decoded image into the 8-bit RGB picture a
+decompression bomb costs nothing); with ``max_aspect`` (:func:`aspect_limit`: Qwen-VL's processors refuse more
+than 200:1, LLaVA's do not) also an image beyond that aspect ratio. :func:`to_rgb` turns any decoded image into the 8-bit RGB picture a
 person would see: the EXIF ``Orientation`` tag is applied (a phone photo stored sideways is turned upright)
 and 16-bit / 32-bit greyscale is scaled to 0..255 instead of being clipped (which made it almost white).
 """
@@ -22,10 +23,19 @@ from vtprune.errors import UserError
 
 MAX_IMAGE_PIXELS = 4096 * 4096
 MAX_ASPECT = 200.0  # Qwen-VL's smart_resize limit (as for video frames)
+ASPECT_LIMITED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # model types whose processor refuses beyond MAX_ASPECT
 
 
-def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
-    """The image at ``path`` as upright 8-bit RGB; :class:`UserError` (one line) for anything unusable."""
+def aspect_limit(model_type: str | None) -> float | None:
+    """The largest aspect ratio ``model_type``'s image processor accepts (Qwen-VL: 200), None: no limit."""
+    return MAX_ASPECT if model_type in ASPECT_LIMITED else None
+
+
+def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect: float | None = None) -> Image.Image:
+    """The image at ``path`` as upright 8-bit RGB; :class:`UserError` (one line) for anything unusable.
+
+    ``max_aspect``: refuse a longer-to-shorter side ratio above it (:func:`aspect_limit` of the model that
+    will read the image; None: any aspect, as LLaVA's processors accept)."""
     file = Path(path)
     name = str(path)
     check_image_file(file, name)
@@ -33,7 +43,7 @@ def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Im
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(file) as image:
-                check_image_size(image.size, name, max_pixels)
+                check_image_size(image.size, name, max_pixels, max_aspect)
                 image.load()
                 return to_rgb(image)
     except UserError:
@@ -62,14 +72,16 @@ def check_image_file(file: Path, name: str) -> None:
         raise UserError(f"image {name!r} is empty (0 bytes); give a non-empty image file.")
 
 
-def check_image_size(size: tuple[int, int], name: str, max_pixels: int = MAX_IMAGE_PIXELS) -> None:
-    """Refuse an image whose header declares more than ``max_pixels`` pixels, no pixel, or an extreme aspect."""
+def check_image_size(size: tuple[int, int], name: str, max_pixels: int = MAX_IMAGE_PIXELS,
+                     max_aspect: float | None = None) -> None:
+    """Refuse an image whose header declares more than ``max_pixels`` pixels, no pixel, or an aspect ratio above
+    ``max_aspect`` (None: no aspect limit)."""
     width, height = size
     if width < 1 or height < 1:
         raise UserError(f"image {name!r} has no pixels ({width}x{height}).")
-    if max(width, height) / min(width, height) > MAX_ASPECT:
-        raise UserError(f"image {name!r} is {width}x{height}, an aspect ratio above {MAX_ASPECT:g}:1, which vision "
-                        "processors refuse (Qwen-VL); crop it first.")
+    if max_aspect is not None and max(width, height) / min(width, height) > max_aspect:
+        raise UserError(f"image {name!r} is {width}x{height}, an aspect ratio above {max_aspect:g}:1, which the "
+                        "model's image processor refuses (Qwen-VL); crop it first.")
     if width * height > max_pixels:
         raise UserError(f"image {name!r} is {width}x{height} pixels ({width * height / 1e6:.1f} MP); vtprune reads "
                         f"images up to {max_pixels / 1e6:.1f} MP. Downscale it first (vision models resize "

@@ -9,6 +9,8 @@ heads concatenated) and its output ``h`` (the input of layer ``K``) passed throu
    its quota of the not-yet-kept visual tokens least cosine-similar to it (``argmin cos(h_p, h_i)``);
    image pivots are kept, text pivots only guide. The budget ``keep_count(keep, N)`` minus the image
    pivots is split evenly over the pivots (the first ones get the remainder), so exactly ``keep`` is kept.
+   A ``pivot_image`` at or above the kept count makes every kept token a pivot (key norm alone): a
+   ``UserWarning`` says so at the call.
 
 Attention-free (no attention map, so FlashAttention-friendly): one extra ``k_proj`` of layer ``K - 1``.
 Per sample over all its visual tokens (the release concatenates the images of a sample too).
@@ -16,6 +18,7 @@ Per sample over all its visual tokens (the release concatenates the images of a 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -112,6 +115,8 @@ class DART(Scorer):
             if alive_count == 0:
                 continue
             budget = min(keep_count(ctx.stage.keep, ctx.visual_counts[row]), alive_count)
+            if self.pivot_image >= budget:
+                pivot_note(self.pivot_image, budget, ctx.visual_counts[row])
             image_pivots = top_slots(norms[row], alive[row], min(self.pivot_image, budget))
             text_pivots = top_slots(norms[row], text[row], self.pivot_text)
             candidates = alive[row].clone()
@@ -122,6 +127,13 @@ class DART(Scorer):
             order = torch.cat([image_pivots, selected])
             out[row, order] = torch.arange(order.numel(), 0, -1, dtype=torch.float32, device=out.device)
         return out
+
+
+def pivot_note(pivots: int, budget: int, visual: int) -> None:
+    """Warn that ``pivot_image`` reaches the kept count: every kept token is then a key-norm pivot."""
+    warnings.warn(f"dart: pivot_image={pivots} reaches the {budget} tokens kept of {visual} visual tokens, so every "
+                  "kept token is an image pivot chosen by key norm alone (no duplication step); use pivot_image "
+                  "below the kept count (the paper: 4).", UserWarning, stacklevel=2)
 
 
 def _text_after_visual(valid: torch.Tensor, visual: torch.Tensor) -> torch.Tensor:

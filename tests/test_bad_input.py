@@ -1,0 +1,192 @@
+"""Bad input of issue 24: each is refused in one line naming the value (or file and field) and the fix, before any
+work; the command line exits with status 2 and prints no usage block or traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import vtprune
+from vtprune.config import PruneConfig
+from vtprune.errors import UserError
+from vtprune.models.tiny import random_image, tiny_model
+
+SHIPPED_QWEN = "vtprune/models/vtprune-qwen2vl-shapes/calibration.json"
+
+
+def _one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err and "usage:" not in err
+
+
+# -- files fitted on another model -------------------------------------------------------------------------------
+def test_a_debias_calibration_of_another_model_type_is_refused(tmp_path, cli):
+    data = json.loads(open(SHIPPED_QWEN).read())
+    assert data["model_type"] == "qwen2_vl"
+    path = tmp_path / "qwen_fit.json"
+    path.write_text(json.dumps(data))
+    model, _ = tiny_model("llava")
+    with pytest.raises(UserError, match=r"qwen_fit.json'.*field 'model_type' is 'qwen2_vl'.*'llava'"):
+        vtprune.wrap(model, "fastv", keep=0.5, debias=str(path))
+    code, _, err = cli("run", "--model", "embedded:llava", "--method", "fastv+debias", "--debias", str(path))
+    assert code == 2 and "field 'model_type'" in err and _one_line(err), err
+    data["model_type"] = "llava"  # the same fit declared for this model type is used
+    path.write_text(json.dumps(data))
+    vtprune.wrap(model, "fastv", keep=0.5, debias=str(path)).remove()
+
+
+def _profile(tmp_path, budgets) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "vtprune-prefixkv-profile", "model_type": "llava", "num_layers": 2,
+                                "scope": "prompt", "budgets": budgets}))
+    return str(path)
+
+
+@pytest.mark.parametrize("budgets,words", [
+    ({"abc": [0.5, 0.5]}, "budgets key 'abc' must be a keep fraction"),
+    ({"nan": [0.5, 0.5]}, "budgets key 'nan' must be a keep fraction"),
+    ({"0.5": [True, False]}, "budgets['0.5'] must be 2 ratios in [0, 1] (numbers, not true/false"),
+])
+def test_prefixkv_profiles_name_the_file_and_the_bad_key(tmp_path, budgets, words):
+    from vtprune.methods.prefixkv import read_profile
+
+    path = _profile(tmp_path, budgets)
+    with pytest.raises(UserError) as error:
+        read_profile(path, "llava", 2, "prompt")
+    assert path in str(error.value) and words in str(error.value), str(error.value)
+
+
+# -- options of the Python API -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("options,words", [
+    ({"schedule": ",,,"}, "has no LAYER:KEEP stage"),
+    ({"schedule": []}, "has no LAYER:KEEP stage"),
+    ({"schedule": [(1.7, 0.5)]}, "must be an integer decoder-layer index, got 1.7"),
+    ({"schedule": [(True, 0.5)]}, "must be an integer decoder-layer index, got True"),
+    ({"schedule": [(2, "abc")]}, "must be a number in (0, 1], got 'abc'"),
+    ({"schedule": [(2, 0.5, 1)]}, "must be a (layer, keep) pair"),
+    ({"schedule": 3}, "must be a string 'LAYER:KEEP,...'"),
+    ({"layer": 1.7}, "must be an integer decoder-layer index, got 1.7"),
+    ({"layer": -1}, "pruning layer -1 is outside the language model"),
+    ({"keep": True}, "keep must be a number in (0, 1], got True"),
+    ({"keep": float("nan")}, "keep must be in (0, 1]"),
+    ({"keep": float("inf")}, "keep must be in (0, 1]"),
+    ({"keep": "abc"}, "keep must be a number in (0, 1]"),
+])
+def test_wrap_refuses_bad_schedules_layers_and_keeps(options, words):
+    model, _ = tiny_model("llava")
+    with pytest.raises(ValueError) as error:
+        vtprune.wrap(model, "fastv", **options)
+    assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_an_integral_float_layer_is_that_layer():
+    assert PruneConfig(method="fastv", schedule=[(2.0, 0.5)]).stages[0].layer == 2
+    assert PruneConfig(method="fastv", layer=2.0).stages[0].layer == 2
+
+
+def test_kernel_environment_is_checked_at_wrap(monkeypatch, cli):
+    import vtprune.kernels._dispatch as dispatch
+
+    model, _ = tiny_model("llava")
+    monkeypatch.setenv("VTPRUNE_KERNEL_IMPL", "triton")
+    monkeypatch.setattr(dispatch, "triton_import_error", lambda: ModuleNotFoundError("No module named 'triton'"))
+    with pytest.raises(ValueError, match=r"VTPRUNE_KERNEL_IMPL=triton but `import triton` failed"):
+        vtprune.wrap(model, "fastv", keep=0.5)
+    code, _, err = cli("run", "--model", "tiny:llava", "--device", "cpu")
+    assert code == 2 and "import triton" in err and _one_line(err), err
+    monkeypatch.setattr(dispatch, "triton_import_error", lambda: None)  # triton imports, but the model is on CPU
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        vtprune.wrap(model, "fastv", keep=0.5)
+    monkeypatch.setenv("VTPRUNE_KERNEL_IMPL", "fast")
+    with pytest.raises(ValueError, match="VTPRUNE_KERNEL_IMPL='fast' is not one of"):
+        vtprune.wrap(model, "fastv", keep=0.5)
+    monkeypatch.setenv("VTPRUNE_KERNEL_IMPL", "torch")
+    vtprune.wrap(model, "fastv", keep=0.5).remove()
+
+
+def test_dart_notes_pivots_that_take_the_whole_budget():
+    model, processor = tiny_model("llava")
+    prompt = "USER: <image>\nwhat color is the circle? ASSISTANT:"
+    inputs = processor(images=[random_image(64, 64, 1)], text=[prompt], return_tensors="pt")
+    handle = vtprune.wrap(model, "dart", keep=0.25, pivot_image=100_000)
+    try:
+        with pytest.warns(UserWarning, match=r"pivot_image=100000 reaches the \d+ tokens kept"), torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+RUN_CASES = [
+    (["--schedule", ",,,"], "has no LAYER:KEEP stage"),
+    (["--question", "<image> What color <image> is it?"], "--question contains '<image>'"),
+    (["--question", "<|image_pad|>What?"], "--question contains '<|image_pad|>'"),
+    (["--keep", "2"], "argument --keep: keep must be in (0, 1]"),
+    (["--layer", "1.7"], "argument --layer: expected an integer, got '1.7'"),
+]
+
+
+@pytest.mark.parametrize("argv,words", RUN_CASES, ids=[" ".join(a) for a, _ in RUN_CASES])
+def test_run_arguments_are_one_line_before_loading(cli, no_model, argv, words):
+    code, _, err = cli("run", "--model", "tiny:llava", *argv)
+    assert code == 2 and words in err and _one_line(err), err
+
+
+def test_video_questions_with_placeholders_are_refused(cli, no_model, tmp_path):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"x")
+    code, _, err = cli("run", "--model", "tiny:qwen2_vl", "--video", str(clip), "--question", "<video> what moves?")
+    assert code == 2 and "--question contains '<video>'" in err and _one_line(err), err
+
+
+def test_the_aspect_limit_applies_only_to_models_that_have_it(cli, no_model, tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (5000, 20), "red").save(path)
+    code, _, err = cli("run", "--model", "tiny:qwen2_vl", "--image", str(path))
+    assert code == 2 and "5000x20, an aspect ratio above 200:1" in err and _one_line(err), err
+
+
+def test_a_very_wide_image_is_answered_on_llava(cli, tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (5000, 20), "red").save(path)
+    code, out, err = cli("run", "--model", "embedded:llava", "--device", "cpu", "--image", str(path), "--question",
+                         "What color is the circle?", "--json")
+    assert code == 0, err
+    assert json.loads(out)["visual_tokens"] > 0
+
+
+BENCH_LONG_CASES = [
+    (["--k", "0"], "argument --k: must be between 1 and 16, got 0"),
+    (["--clips", "0"], "argument --clips: must be >= 1, got 0"),
+    (["--clips", "-3"], "argument --clips: must be >= 1, got -3"),
+    (["--keep", "abc"], "argument --keep: expected a fraction in (0, 1], got 'abc'"),
+    (["--keep", ""], "argument --keep: expected comma-separated keep fractions"),
+    (["--keep", "0.5,1"], "keep fractions must be below 1"),
+    (["--frames", "abc"], "argument --frames: expected an integer, got 'abc'"),
+    (["--frames", "100000"], "argument --frames: must be between 0 and 256"),
+    (["--setting", "multi", "--sets", "0"], "argument --sets: must be >= 1, got 0"),
+    (["--setting", "multi", "--images", "0"], "argument --images: must be between 1 and 16"),
+    (["--threads", "-2"], "argument --threads: must be >= 1, got -2"),
+    (["--methods", "fastv,nope"], "unknown method 'nope'"),
+    (["--methods", "temporal@nope"], "unknown method 'nope'"),
+    (["--setting", "multi", "--methods", "gridprobe"], "gridprobe selects video frames"),
+    (["--split", "holdout"], "argument --split: invalid choice"),
+    (["--debias-file", "missing.json"], "no such calibration file"),
+]
+
+
+@pytest.mark.parametrize("argv,words", BENCH_LONG_CASES, ids=[" ".join(a) for a, _ in BENCH_LONG_CASES])
+def test_bench_long_arguments_are_one_line_before_loading(no_model, tmp_path, capsys, argv, words):
+    from vtprune.eval.bench_long import main
+
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and _one_line(err), err
+    assert not (tmp_path / "out").exists()
