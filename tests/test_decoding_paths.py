@@ -15,6 +15,7 @@ from transformers import DynamicCache, StaticCache
 
 import vtprune
 from vtprune.errors import UserError
+from vtprune.models.chat import _cache_keyword
 from vtprune.models.tiny import SPECIAL_TOKENS, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
@@ -90,7 +91,8 @@ def test_assisted_decoding_and_a_followup_with_prompt_lookup_are_refused():
         follow = processor.tokenizer([" and the square?"], return_tensors="pt", add_special_tokens=False)
         ids = torch.cat([turn1.sequences, follow["input_ids"]], 1)
         with pytest.raises(UserError, match="prompt_lookup_num_tokens"):
-            model.generate(input_ids=ids, cache=turn1.cache, max_new_tokens=3, prompt_lookup_num_tokens=2)
+            model.generate(input_ids=ids, max_new_tokens=3, prompt_lookup_num_tokens=2,
+                           **{_cache_keyword(model): getattr(turn1, "cache", None) or turn1.past_key_values})
 
 
 def test_text_only_generate_is_not_refused():

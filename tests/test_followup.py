@@ -1,6 +1,8 @@
 """Follow-up turns on a pruned cache (a second question about the same image, no new image): the turn continues
-from turn 1's cache with correct masks and positions, equal to the independent reference (LLaVA and Qwen, a
-left-padded batch of 2; in-LM stages, a pre-LLM stage and KV retention)."""
+from turn 1's cache with correct masks and positions, equal to the independent reference (LLaVA and Qwen; a
+left-padded batch of 2 and batch 1 with an all-ones mask or none, which generate() drops; in-LM stages, pre-LLM
+stages and KV retention; tiny and embedded models), and query-agnostic methods answer the same with reuse and
+reprefill."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from cases import two_samples
 from independent_reference import reference_decode, reference_decode_kv
 
 import vtprune
+from vtprune.models.chat import _cache_keyword
 from vtprune.models.tiny import SPECIAL_TOKENS, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
@@ -37,31 +40,34 @@ def _extend(tensor: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([tensor, torch.zeros(tensor.shape[0], width - tensor.shape[1], dtype=tensor.dtype)], 1)
 
 
-@pytest.mark.parametrize(("model_type", "method", "options"), [
-    ("llava", "pdrop", {}), ("qwen2_5_vl", "fastv", {}), ("llava", "random", {"layer": 0}),
-    ("qwen2_vl", "random", {"layer": 0}), ("llava", "prefixkv", {}), ("qwen2_5_vl", "prefixkv", {}),
-])
-def test_followup_turn_equals_the_reference(model_type, method, options):
+def _check_followup(model_type: str, method: str, options: dict, rows: int, mask: str) -> None:
+    """Turn 1 (generate), then turn 2 continuing its cache with the whole conversation as ``input_ids`` and the
+    2-D mask ``mask``: ``"padded"`` (turn 1's mask, extended), ``"ones"`` (all ones, which generate() drops) or
+    ``"absent"`` (none; generate() derives it from the pad tokens); each row equals the independent reference."""
     model, processor = _model(model_type)
-    samples = _samples(model_type)
+    samples = _samples(model_type)[:rows]
     inputs = tiny_inputs(processor, model_type, samples)
-    follow = processor.tokenizer([" and the square?"] * 2, return_tensors="pt", add_special_tokens=False)
+    follow = processor.tokenizer([" and the square?"] * rows, return_tensors="pt", add_special_tokens=False)
     with torch.no_grad(), vtprune.apply(model, method, keep=0.4, **options) as handle:
         turn1 = model.generate(**inputs, max_new_tokens=TURN1, min_new_tokens=TURN1, do_sample=False,
                                suppress_tokens=SUPPRESS, return_dict_in_generate=True)
         kept, stages = handle.last_stats.kept_indices, [s.layer for s in handle.stages]
         ids = torch.cat([turn1.sequences, follow["input_ids"]], 1)
-        mask = torch.cat([inputs["attention_mask"], torch.ones(2, TURN1, dtype=torch.long), follow["attention_mask"]], 1)
+        full_mask = torch.cat([inputs["attention_mask"], torch.ones(rows, TURN1, dtype=torch.long),
+                               follow["attention_mask"]], 1)
         extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
         if "mm_token_type_ids" in extra:
             extra["mm_token_type_ids"] = _extend(extra["mm_token_type_ids"], ids.shape[1])
-        turn2 = model.generate(input_ids=ids, attention_mask=mask, past_key_values=_cache(turn1), do_sample=False,
-                               max_new_tokens=TURN2, min_new_tokens=TURN2, suppress_tokens=SUPPRESS,
-                               output_logits=True, return_dict_in_generate=True, **extra)
+        if mask != "absent":
+            extra["attention_mask"] = full_mask if mask == "padded" else torch.ones_like(ids)
+        extra[_cache_keyword(model)] = _cache(turn1)
+        turn2 = model.generate(input_ids=ids, do_sample=False, max_new_tokens=TURN2,
+                               min_new_tokens=TURN2, suppress_tokens=SUPPRESS, output_logits=True,
+                               return_dict_in_generate=True, **extra)
     logits = torch.stack(turn2.logits, 1)
     for row, sample in enumerate(samples):
         alone = tiny_inputs(processor, model_type, [sample])
-        valid = mask[row].bool()
+        valid = full_mask[row].bool()
         conversation = {**alone, "input_ids": ids[row:row + 1, valid],
                         "attention_mask": torch.ones(1, int(valid.sum()), dtype=torch.long)}
         if "mm_token_type_ids" in alone:
@@ -74,6 +80,27 @@ def test_followup_turn_equals_the_reference(model_type, method, options):
             tokens, ref = reference_decode(model, conversation, stages, kept_row, TURN2, len(SPECIAL_TOKENS))
         assert torch.equal(tokens, turn2.sequences[row, ids.shape[1]:])
         torch.testing.assert_close(ref, logits[row], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mask", ["padded", "absent"])
+@pytest.mark.parametrize(("model_type", "method", "options"), [
+    ("llava", "pdrop", {}), ("qwen2_5_vl", "fastv", {}), ("llava", "random", {"layer": 0}),
+    ("qwen2_vl", "random", {"layer": 0}), ("llava", "prefixkv", {}), ("qwen2_5_vl", "prefixkv", {}),
+    ("llava", "divprune", {}), ("qwen2_vl", "divprune", {}),
+])
+def test_followup_turn_of_a_ragged_batch_equals_the_reference(model_type, method, options, mask):
+    _check_followup(model_type, method, options, rows=2, mask=mask)
+
+
+@pytest.mark.parametrize("mask", ["ones", "absent"])
+@pytest.mark.parametrize(("model_type", "method", "options"), [
+    (model_type, method, options) for model_type in ("llava", "qwen2_vl")
+    for method, options in (("random", {"schedule": "0:0.5"}), ("divprune", {}), ("prefixkv", {}), ("fastv", {}))
+])
+def test_followup_turn_without_padding_equals_the_reference(model_type, method, options, mask):
+    """Batch 1 with an all-ones mask or none: generate() drops the mask and feeds the tokens beyond the pruned
+    layer-0 cache, some of which the cache has seen; the engine feeds the language model only the new ones."""
+    _check_followup(model_type, method, options, rows=1, mask=mask)
 
 
 def test_a_followup_with_a_new_image_is_refused():
@@ -103,3 +130,67 @@ def test_chat_reuse_equals_reprefill_without_pruning_and_differs_only_by_pruning
             chat(model, processor, sample.image, questions, "reprefill")
     with pytest.raises(ValueError, match="followup="):
         chat(model, processor, sample.image, questions, "sometimes")
+
+
+@pytest.mark.parametrize("spec", ["embedded:llava", "embedded:qwen2_vl"])
+@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:0.5"}), ("divprune", {}),
+                                                 ("visionzip", {})])
+def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, options):
+    """docs/methods.md: a query-agnostic pre-LLM method keeps the same tokens whichever question is asked, so
+    continuing turn 1's pruned cache (reuse) answers exactly as re-running the conversation (reprefill)."""
+    import warnings
+
+    from vtprune.eval.shapes import make_split
+
+    from vtprune.models.chat import chat
+    from vtprune.models.loading import load
+
+    model, processor = load(spec, device="cpu")
+    sample = make_split("test", 3)[2]
+    questions = [q.text for q in sample.questions[:3]]
+    with vtprune.apply(model, method, keep=0.5, **options), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the cache is reused: no re-tokenization fallback
+        assert chat(model, processor, sample.image, questions, "reuse", max_new_tokens=12) == \
+            chat(model, processor, sample.image, questions, "reprefill", max_new_tokens=12)
+
+
+@pytest.mark.parametrize("spec", ["embedded:llava", "embedded:qwen2_vl"])
+@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:0.5"}), ("divprune", {}),
+                                                 ("prefixkv", {})])
+def test_chat_followup_turn_on_an_embedded_model_equals_the_reference(spec, method, options):
+    """What ``chat(followup="reuse")`` runs: turn 2 continues turn 1's cache with the re-tokenized conversation
+    and an all-ones mask (which generate() drops); its logits equal the independent reference."""
+    from vtprune.eval.shapes import make_split
+
+    from vtprune.models.chat import _messages
+    from vtprune.models.loading import load
+
+    model, processor = load(spec, device="cpu")
+    suppress = model.generation_config.eos_token_id + 1  # the reference never picks ids below it
+    sample = make_split("test", 3)[2]
+    questions = [q.text for q in sample.questions[:2]]
+
+    def encode(answers: list[str]) -> dict:
+        text = processor.apply_chat_template(_messages(questions[:len(answers) + 1], answers), add_generation_prompt=True)
+        return dict(processor(text=[text], images=[sample.image], return_tensors="pt"))
+
+    with torch.no_grad(), vtprune.apply(model, method, keep=0.5, **options) as handle:
+        first = encode([])
+        turn1 = model.generate(**first, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        kept, stages = [k[0] for k in handle.last_stats.kept_indices], [s.layer for s in handle.stages]
+        answer = processor.tokenizer.decode(turn1.sequences[0, first["input_ids"].shape[1]:], skip_special_tokens=True)
+        second = encode([answer.strip()])
+        ids = second["input_ids"]
+        assert torch.equal(ids[:, :turn1.sequences.shape[1]], turn1.sequences)
+        extra = {k: v for k, v in second.items() if k == "mm_token_type_ids"}
+        extra[_cache_keyword(model)] = _cache(turn1)
+        turn2 = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=TURN2,
+                               min_new_tokens=TURN2, do_sample=False, suppress_tokens=list(range(suppress)),
+                               output_logits=True, return_dict_in_generate=True, **extra)
+    conversation = {**second, "attention_mask": torch.ones_like(ids)}
+    if method == "prefixkv":
+        tokens, ref = reference_decode_kv(model, conversation, kept, TURN2, suppress, prompt=first["input_ids"].shape[1])
+    else:
+        tokens, ref = reference_decode(model, conversation, stages, kept, TURN2, suppress)
+    assert torch.equal(tokens, turn2.sequences[0, ids.shape[1]:])
+    torch.testing.assert_close(ref, torch.stack(turn2.logits, 1)[0], atol=1e-4, rtol=0)
