@@ -30,6 +30,9 @@ CASES = [
     ("llava", "divprune", {}),
     ("qwen2_vl", "fastv", {"layer": 2}),
     ("qwen2_vl", "random", {"layer": 0, "seed": 3}),
+    ("llava_next", "fastv", {"layer": 2}),
+    ("llava_onevision", "random", {"layer": 0, "seed": 1}),
+    ("qwen2_5_vl", "pdrop", {"schedule": "1:0.6,2:0.4,3:0.25"}),
 ]
 IDS = [f"{m}-{method}" for m, method, _ in CASES]
 
