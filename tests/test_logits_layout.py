@@ -243,3 +243,16 @@ def test_decode_steps_and_text_only_calls_carry_no_positions():
     assert prefill.kept_positions.shape[0] == 1 and prefill.logits.shape[1] == batch["input_ids"].shape[1]
     assert not hasattr(step, "kept_positions") and step.logits.shape[1] == 1
     assert not hasattr(plain, "kept_positions")
+
+
+def test_labels_with_the_pruned_layout_are_refused_at_the_call():
+    model, processor = _model("llava")
+    batch = _encode(processor, "llava", _samples("llava"), "right", CONTINUATION)
+    text = processor.tokenizer(["USER: hello ASSISTANT: hi"], return_tensors="pt")
+    with torch.no_grad(), vtprune.apply(model, "fastv", keep=0.3, layer=2, logits="pruned") as handle:
+        with pytest.raises(ValueError, match="labels= needs logits in the input layout"):
+            model(**batch, labels=batch["input_ids"])
+        plain = model(**text, labels=text["input_ids"])  # nothing pruned: the model's own loss
+        assert plain.loss.isfinite() and handle.last_stats is None
+        again = model(**batch)  # the refused call left nothing behind
+    assert again.logits.shape[1] == again.kept_positions.shape[1] < batch["input_ids"].shape[1]

@@ -300,7 +300,10 @@ class PruneHandle:
             return None
         if call.decoding:
             return args, decode.lm_kwargs(call, kwargs)
-        return prefill.lm_input(self, call, args, kwargs)
+        result = prefill.lm_input(self, call, args, kwargs)
+        if not call.abandoned and not self.retains_kv:
+            outputs.check_labels(self.config.logits, call.inputs)
+        return result
 
     def _lm_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         """Prefill with ``logits="input"``: the LM's last hidden state back in the input layout, before ``lm_head``."""

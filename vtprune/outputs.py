@@ -87,3 +87,14 @@ def attach_positions(output: Any, positions: torch.Tensor) -> None:
     indexing are unchanged). Tuple outputs (``return_dict=False``) get nothing."""
     if hasattr(output, "to_tuple"):
         object.__setattr__(output, "kept_positions", positions)
+
+
+def check_labels(layout: str, inputs: dict | None) -> None:
+    """Refuse ``labels=`` on a pruned prefill whose logits come back in the pruned layout (rows and labels would
+    not line up; transformers would raise a size mismatch, or pair them wrongly where the sizes happen to agree)."""
+    if layout == "pruned" and inputs and inputs.get("labels") is not None:
+        raise ValueError(
+            "labels= needs logits in the input layout, but this model was wrapped with logits='pruned' (one row per "
+            "kept token); wrap with logits='input' (the default), or compute the loss from output.logits mapped by "
+            "output.kept_positions."
+        )
