@@ -80,6 +80,22 @@ def test_wrap_refuses_bad_schedules_layers_and_keeps(options, words):
     assert words in str(error.value) and "\n" not in str(error.value), str(error.value)
 
 
+@pytest.mark.parametrize("method,options,words", [
+    ("visionzip", {"vit_layer": 1.5}, "vit_layer must be an integer decoder-layer index, got 1.5"),
+    ("vflowopt", {"vit_layer": 1.5}, "vit_layer must be an integer decoder-layer index, got 1.5"),
+    ("ttv", {"ttv_start": 1.5}, "ttv_start must be an integer decoder-layer index, got 1.5"),
+    ("visionzip", {"contextual": True}, "contextual=True is the fraction"),
+    ("prefixkv", {"query_rows": True}, "query_rows=True must be a positive int"),
+    ("prefixkv", {"start": True}, "start=True must be an int >= 0"),
+    ("prefixkv", {"distance": 1.5}, "distance=1.5 must be an int"),
+])
+def test_method_options_are_not_truncated_or_taken_from_bools(method, options, words):
+    model, _ = tiny_model("llava")
+    with pytest.raises(ValueError) as error:
+        vtprune.wrap(model, method, keep=0.5, **options)
+    assert words in str(error.value), str(error.value)
+
+
 def test_an_integral_float_layer_is_that_layer():
     assert PruneConfig(method="fastv", schedule=[(2.0, 0.5)]).stages[0].layer == 2
     assert PruneConfig(method="fastv", layer=2.0).stages[0].layer == 2
@@ -112,7 +128,7 @@ def test_dart_notes_pivots_that_take_the_whole_budget():
     inputs = processor(images=[random_image(64, 64, 1)], text=[prompt], return_tensors="pt")
     handle = vtprune.wrap(model, "dart", keep=0.25, pivot_image=100_000)
     try:
-        with pytest.warns(UserWarning, match=r"pivot_image=100000 reaches the \d+ tokens kept"), torch.no_grad():
+        with pytest.warns(UserWarning, match=r"pivot_image=100000 is more than the \d+ visual tokens"), torch.no_grad():
             model(**inputs)
     finally:
         handle.remove()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vtprune.methods.prefixkv import counts_from_ratios, layer_budgets
+from vtprune.methods.prefixkv import counts_from_ratios, layer_budgets, release_kept
 from vtprune.state import CallState, DecodeRegion, repad_known, select_kept
 
 if TYPE_CHECKING:
@@ -47,7 +47,9 @@ def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch
     batch = evictable.shape[0]
     mask, fixed = host[:batch] > 0, (host[batch:2 * batch] > 0) & ~(host[:batch] > 0)
     counts, text = mask.sum(axis=1).tolist(), fixed.sum(axis=1).tolist()
-    if handle.kv_ratios is not None:
+    if getattr(handle.scorer, "counting", "exact") == "release":  # parity="release": the release's counts
+        per_sample = _release_counts(handle, host, counts, layers, search)
+    elif handle.kv_ratios is not None:
         per_sample = [counts_from_ratios(handle.kv_ratios, n) for n in counts]
     elif not search:
         per_sample = [[n] * layers for n in counts]
@@ -55,6 +57,18 @@ def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch
         scores = host[2 * batch:].reshape(layers, batch, -1)
         per_sample = [layer_budgets(scores[:, b][:, mask[b]], handle.config.keep) for b in range(batch)]
     return [[per_sample[b][layer] for b in range(batch)] for layer in range(layers)], text, counts
+
+
+def _release_counts(handle: PruneHandle, host: Any, counts: list[int], layers: int, search: bool) -> list[list[int]]:
+    """Per sample, the release's per-layer counts (:func:`release_kept`) over its whole unpadded prompt; host:
+    the rows of :func:`layer_counts` (evictable ``[B, L]``, valid ``[B, L]``, then the priorities if searched)."""
+    batch = len(counts)
+    valid = host[batch:2 * batch] > 0
+    if not search and handle.kv_ratios is None:
+        return [[n] * layers for n in counts]  # keep = 1: nothing is evicted
+    scores = host[2 * batch:].reshape(layers, batch, -1) if search else None
+    return [release_kept(int(valid[b].sum()), n, handle.config.keep, ratios=handle.kv_ratios,
+                         priority=None if scores is None else scores[:, b][:, valid[b]]) for b, n in enumerate(counts)]
 
 
 def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:

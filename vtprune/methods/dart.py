@@ -9,8 +9,8 @@ heads concatenated) and its output ``h`` (the input of layer ``K``) passed throu
    its quota of the not-yet-kept visual tokens least cosine-similar to it (``argmin cos(h_p, h_i)``);
    image pivots are kept, text pivots only guide. The budget ``keep_count(keep, N)`` minus the image
    pivots is split evenly over the pivots (the first ones get the remainder), so exactly ``keep`` is kept.
-   A ``pivot_image`` at or above the kept count makes every kept token a pivot (key norm alone): a
-   ``UserWarning`` says so at the call.
+   A ``pivot_image`` at or above the kept count makes every kept token a pivot (key norm alone); one above
+   the sample's visual token count is surely a mistake, and a ``UserWarning`` says so at the call.
 
 Attention-free (no attention map, so FlashAttention-friendly): one extra ``k_proj`` of layer ``K - 1``.
 Per sample over all its visual tokens (the release concatenates the images of a sample too).
@@ -115,7 +115,7 @@ class DART(Scorer):
             if alive_count == 0:
                 continue
             budget = min(keep_count(ctx.stage.keep, ctx.visual_counts[row]), alive_count)
-            if self.pivot_image >= budget:
+            if self.pivot_image > ctx.visual_counts[row]:
                 pivot_note(self.pivot_image, budget, ctx.visual_counts[row])
             image_pivots = top_slots(norms[row], alive[row], min(self.pivot_image, budget))
             text_pivots = top_slots(norms[row], text[row], self.pivot_text)
@@ -130,9 +130,9 @@ class DART(Scorer):
 
 
 def pivot_note(pivots: int, budget: int, visual: int) -> None:
-    """Warn that ``pivot_image`` reaches the kept count: every kept token is then a key-norm pivot."""
-    warnings.warn(f"dart: pivot_image={pivots} reaches the {budget} tokens kept of {visual} visual tokens, so every "
-                  "kept token is an image pivot chosen by key norm alone (no duplication step); use pivot_image "
+    """Warn that ``pivot_image`` exceeds the sample's visual tokens: every kept token is then a key-norm pivot."""
+    warnings.warn(f"dart: pivot_image={pivots} is more than the {visual} visual tokens of the sample, so all {budget} "
+                  "kept tokens are image pivots chosen by key norm alone (no duplication step); use pivot_image "
                   "below the kept count (the paper: 4).", UserWarning, stacklevel=2)
 
 

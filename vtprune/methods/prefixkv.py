@@ -13,7 +13,8 @@ the prompt kept; ``scope="prompt"``: the whole prompt but its first ``start`` to
   average, then the counts are adjusted one token at a time (next-best priority first) to hit it exactly.
   Without a profile this runs per call and per sample; ``vtprune calibrate --method prefixkv`` stores the
   mean per-layer eviction ratios of a model for a grid of budgets (``profile=FILE``), as the released
-  ``confs/*.json``.
+  ``confs/*.json``. ``counting="release"`` (what ``parity="release"`` sets; ``scope="prompt"``) takes the
+  release's counts instead: :func:`release_evictions` / :func:`release_kept` (docs/methods.md, PrefixKV).
 * **Decode**: ``decode="keep"`` (default) keeps every generated token and the compressed prompt;
   ``decode="release"`` (``scope="prompt"``, with a profile) keeps each layer's cache at ``(1 - ratio_l)`` of the
   tokens seen by evicting, when one must go, the entry ``distance`` (-25) before the end of the compressed
@@ -36,11 +37,15 @@ from vtprune.config import Stage
 from vtprune.errors import UserError
 from vtprune.methods.base import Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
 
 PROFILE_FORMAT = "vtprune-prefixkv-profile"
 SCOPES = ("visual", "prompt")
 DECODE_POLICIES = ("keep", "release")
+COUNTING = ("exact", "release")
+RELEASE_TOLERANCE = 5  # the release's search stops within 5 evicted tokens of its target
+RELEASE_HALVINGS = 200  # the release halves until left == right; a cap where floats stop moving
 
 
 @register_method
@@ -51,22 +56,35 @@ class PrefixKV(Scorer):
     name: ClassVar[str] = "prefixkv"
     requires: ClassVar[frozenset[str]] = frozenset({"attention", "llm_layers"})
     retains_kv: ClassVar[bool] = True
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="THU-MIG/PrefixKV",
+                                                 options=(("counting", "release"),))
     scope: str = "visual"
     query_rows: int | None = None
     start: int = 1
     decode: str = "keep"
     distance: int = -25
     profile: str | None = None
+    counting: str = "exact"
 
     def __post_init__(self) -> None:
+        if self.counting not in COUNTING:
+            raise ValueError(f"counting={self.counting!r} must be one of {', '.join(COUNTING)} (how per-layer counts "
+                             "are found).")
+        if self.counting == "release" and self.scope != "prompt":
+            raise ValueError("counting='release' (parity='release') counts over the whole prompt as the release "
+                             "does, which evicts from the prompt but its first `start` and last tokens: pass "
+                             "scope='prompt' (e.g. --options scope=prompt).")
         if self.scope not in SCOPES:
             raise ValueError(f"scope={self.scope!r} must be one of {', '.join(SCOPES)} (which tokens may be evicted).")
         if self.decode not in DECODE_POLICIES:
             raise ValueError(f"decode={self.decode!r} must be one of {', '.join(DECODE_POLICIES)}.")
-        if self.query_rows is not None and (not isinstance(self.query_rows, int) or self.query_rows < 1):
+        if self.query_rows is not None and (_not_int(self.query_rows) or self.query_rows < 1):
             raise ValueError(f"query_rows={self.query_rows!r} must be a positive int or None (every prompt row).")
-        if not isinstance(self.start, int) or self.start < 0:
+        if _not_int(self.start) or self.start < 0:
             raise ValueError(f"start={self.start!r} must be an int >= 0 (protected first prompt tokens).")
+        if _not_int(self.distance):
+            raise ValueError(f"distance={self.distance!r} must be an int (decode evictions land this many entries "
+                             "from the end of the compressed prompt; the release uses -25).")
         if self.decode == "release" and (self.scope != "prompt" or self.profile is None):
             raise ValueError("decode='release' evicts generated context at a fixed per-layer ratio: it needs "
                              "scope='prompt' and profile=FILE (from `vtprune calibrate --method prefixkv`).")
@@ -77,6 +95,10 @@ class PrefixKV(Scorer):
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """Priority ``[B, L]`` of every cached key of this layer (attention received over the query rows)."""
         return ctx.received_attention(self.query_rows)
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 # -- pure functions ----------------------------------------------------------------------------------------
@@ -137,6 +159,58 @@ def counts_from_ratios(ratios: list[float], n: int) -> list[int]:
     return [max(min(n, 1), n - math.floor(r * n + 0.5)) for r in ratios]
 
 
+# -- the release's counts (``counting="release"``, ``parity="release"``) -------------------------------------
+def release_evictions(priority: np.ndarray, ratio: float, protect: int) -> np.ndarray:
+    """Tokens each layer evicts ``[layers]`` under the release's search (THU-MIG/PrefixKV ``obtain_cdf_num`` and
+    its caller), for one sample.
+
+    priority: ``[layers, L]`` over the **whole** prompt (the protected tokens included); ratio: the eviction
+    ratio ``1 - keep``; protect: tokens never evicted (``start`` + the last one). Per layer, ``P_l`` is the
+    cumulative share of its priorities sorted in descending order (fp32, as the release computes it) and a
+    threshold ``p`` evicts ``max(0, L - (#{n: P_l(n) < p} + 1) - protect)``; ``p`` is bisected from 0.5 in
+    (0, 1) until the layers' total is within :data:`RELEASE_TOLERANCE` of the target ``ratio * L * layers``;
+    the counts are then rescaled by ``target / total`` and truncated to ints.
+    """
+    layers, length = priority.shape
+    target = float(ratio) * length * layers
+    ordered = torch.from_numpy(np.asarray(priority, dtype=np.float32)).sort(dim=1, descending=True).values
+    total = ordered.sum(dim=1, keepdim=True)
+    curves = torch.where(total > 0, ordered / total.clamp(min=1e-30), 1.0 / max(length, 1)).cumsum(dim=1)
+
+    def evicted(threshold: float) -> np.ndarray:
+        below = (curves < threshold).sum(dim=1).numpy().astype(np.int64)  # searchsorted(..., right=False)
+        return np.maximum(length - (below + 1) - protect, 0)
+
+    left, right, middle = 0.0, 1.0, 0.0
+    for _ in range(RELEASE_HALVINGS):
+        if not left < right:
+            break
+        middle = (left + right) / 2.0
+        count = int(evicted(middle).sum())
+        if abs(count - target) < RELEASE_TOLERANCE:
+            break
+        left, right = (left, middle) if count < target else (middle, right)
+    counts = evicted(middle)
+    if counts.sum() != 0:
+        counts = counts * target / counts.sum()
+    return counts.astype(np.int32)
+
+
+def release_kept(length: int, evictable: int, keep: float, priority: np.ndarray | None = None,
+                 ratios: list[float] | None = None) -> list[int]:
+    """Evictable tokens each layer keeps under the release's counts, for one sample of ``length`` prompt tokens.
+
+    With a profile (``ratios``): ``round(r_l * length)`` evicted (numpy's half-to-even ``round``, as the
+    release), else :func:`release_evictions` on ``priority`` ``[layers, length]`` at ``1 - keep``. At most the
+    ``evictable`` tokens go (the release's slice of its sorted candidates ends there).
+    """
+    if ratios is not None:
+        evicted = np.round(np.asarray(ratios, dtype=np.float64) * length).astype(np.int64)
+    else:
+        evicted = release_evictions(priority, 1.0 - keep, length - evictable)
+    return [int(evictable - min(int(e), evictable)) for e in evicted]
+
+
 # -- profiles (`vtprune calibrate --method prefixkv`) --------------------------------------------------------
 def read_profile(path: str | Path, model_type: str, num_layers: int, scope: str) -> dict[float, list[float]]:
     """``{budget: per-layer eviction ratios}`` of a profile file, checked against the model it is used on."""
@@ -157,12 +231,30 @@ def read_profile(path: str | Path, model_type: str, num_layers: int, scope: str)
         raise UserError(f"PrefixKV profile {name!r}: field 'budgets' must map keep fractions to per-layer ratios.")
     result = {}
     for key, ratios in budgets.items():
-        ok = isinstance(ratios, list) and len(ratios) == num_layers and all(
-            isinstance(r, int | float) and 0.0 <= r <= 1.0 for r in ratios)
-        if not ok:
-            raise UserError(f"PrefixKV profile {name!r}: budgets[{key!r}] must be {num_layers} ratios in [0, 1].")
-        result[float(key)] = [float(r) for r in ratios]
+        result[_budget_key(key, name)] = _ratios(ratios, key, name, num_layers)
     return result
+
+
+def _budget_key(key: str, name: str) -> float:
+    """A profile's budget key as a keep fraction in (0, 1]; UserError naming the file and the key."""
+    try:
+        value = float(key)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:  # NaN fails too
+        raise UserError(f"PrefixKV profile {name!r}: budgets key {key!r} must be a keep fraction in (0, 1] such as "
+                        "'0.5'; recreate the profile with `vtprune calibrate --method prefixkv`.")
+    return value
+
+
+def _ratios(ratios: object, key: str, name: str, num_layers: int) -> list[float]:
+    """``num_layers`` eviction ratios in [0, 1] (numbers, not ``true`` / ``false``)."""
+    ok = isinstance(ratios, list) and len(ratios) == num_layers and all(
+        isinstance(r, int | float) and not isinstance(r, bool) and 0.0 <= r <= 1.0 for r in ratios)
+    if not ok:
+        raise UserError(f"PrefixKV profile {name!r}: budgets[{key!r}] must be {num_layers} ratios in [0, 1] (numbers, "
+                        f"not true/false: the per-layer eviction ratios), got {str(ratios)[:80]}.")
+    return [float(r) for r in ratios]
 
 
 def profile_ratios(budgets: dict[float, list[float]], keep: float, name: str = "profile") -> list[float]:

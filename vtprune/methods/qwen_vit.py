@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from vtprune.adapters.base import VisualSegment
+from vtprune.config import stage_layer
 from vtprune.methods.entropy import denormalize, entropy_weights, patch_entropy
 
 QUERY_BLOCK = 1024
@@ -87,7 +88,8 @@ def choose_block(adapter: Any, requested: int | None) -> int:
                          "build its map: use 'transprune' or 'fastv'.")
     if requested is None:
         return allowed[-1]
-    if int(requested) not in allowed:
+    requested = stage_layer(requested, "vit_layer")
+    if requested not in allowed:
         raise ValueError(
             f"vit_layer={requested} is not a full-attention block of this {adapter.config.model_type} tower (windowed "
             f"blocks give a block-diagonal map); use one of {allowed} (None: the last one, {allowed[-1]})."

@@ -1,6 +1,6 @@
 """Token-for-token parity with the authors' released code: ``vtprune.wrap(..., parity="release")``.
 
-vtprune's defaults differ from the releases in three documented details; ``parity="release"`` takes each
+vtprune's defaults differ from the releases in a few documented details; ``parity="release"`` takes each
 method's released behaviour instead (its :class:`ReleaseRule`), so a paper's table can be reproduced token for
 token when the prompt, the image processing and the scoring layer are those of the release:
 
@@ -15,11 +15,17 @@ pdrop         ``int(N0 * ratio_s)``           compacted to ``0..L'-1`` after    
                                                                                  ``tau = 0.01``
 transprune,   ``int(N0 * ratio_s)``           compacted, as PyramidDrop's        no release (refused)
 ttv
+visionzip     vtprune's count; contextual      original                          not debiasable
+              value ``target + mean(others)``
+prefixkv      the release's per-layer          original (cached keys)            not applicable
+              evictions (``counting=
+              "release"``, ``scope="prompt"``)
 ============  ===============================  ================================  =====================================
 
 vtprune's defaults: ``keep_count`` rounds half up (``floor(keep N0 + 0.5)``), positions stay original (the only
 policy consistent with ``generate`` and Qwen's M-RoPE), debiasing runs at every stage with ``sigma = 1.9`` and
-``tau = 0.5`` (or a ``vtprune calibrate`` fit: the recommended path). Methods without a rule (``vflowopt``,
+``tau = 0.5`` (or a ``vtprune calibrate`` fit: the recommended path); a rule's ``options`` set method options
+to the release's behaviour (VisionZip's ``context_value``, PrefixKV's ``counting``). Methods without a rule (``vflowopt``,
 ``random``, ``oracle``, wrappers other than ``+debias``, user scorers without a ``release`` attribute) refuse
 ``parity="release"`` at wrap time.
 
@@ -31,6 +37,7 @@ written ratio in the last bit, which truncation can turn into one token when ``N
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,13 +52,15 @@ class ReleaseRule:
     ``count``: ``"truncate"`` (``int(N0 * keep)``, at least 1) or ``"round"`` (vtprune's ``keep_count``, for
     releases that take an absolute count). ``positions``: ``"original"`` or ``"compact"``. ``debias``: the
     released debiasing patch for this host, or None when the debiasing release has none. ``source``: the
-    released code (named in errors and docs).
+    released code (named in errors and docs). ``options``: method options set to the release's behaviour
+    (``(name, value)`` pairs, e.g. VisionZip's ``context_value="release"``).
     """
 
     count: str
     positions: str
     source: str
     debias: ReleaseDebias | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 def release_rule(scorer: Scorer) -> ReleaseRule | None:
@@ -86,6 +95,8 @@ def for_release(scorer: Scorer, adapter: Any, requested_positions: str) -> tuple
             f"({rule.source}) does on LLaVA's 1-D RoPE; {adapter.config.model_type} uses 3-D M-RoPE positions, "
             "for which no release exists and vtprune does not renumber: use parity='default' (original positions)."
         )
+    if rule.options:
+        scorer = with_release_options(scorer, rule)
     if isinstance(scorer, Debiased):
         if rule.debias is None:
             raise ValueError(
@@ -95,3 +106,13 @@ def for_release(scorer: Scorer, adapter: Any, requested_positions: str) -> tuple
         scorer = release_debiased(scorer, rule.debias)
     return scorer, rule
 
+
+
+def with_release_options(scorer: Scorer, rule: ReleaseRule) -> Scorer:
+    """``scorer`` (a frozen dataclass) with the rule's options set: the method's released behaviour."""
+    try:
+        if isinstance(scorer, Debiased):
+            return dataclasses.replace(scorer, inner=dataclasses.replace(scorer.inner, **dict(rule.options)))
+        return dataclasses.replace(scorer, **dict(rule.options))
+    except ValueError as error:
+        raise ValueError(f"parity='release' for {scorer.name!r} ({rule.source}): {error}") from error

@@ -23,9 +23,13 @@ from typing import Any
 
 import torch
 
+from vtprune.config import stage_layer
 from vtprune.methods import vit
 from vtprune.methods.base import Capture
 from vtprune.scoring import ScoreContext
+
+FAST_PATCHES = 6144  # above this many patches per image / frame, queries="auto" samples the queries
+FAST_ROWS = 1024  # queries averaged on the fast path (evenly spaced)
 
 
 def is_qwen(adapter: Any) -> bool:
@@ -47,17 +51,18 @@ def default_layer(adapter: Any) -> int:
     return full[-1]
 
 
-def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = "auto") -> tuple[Capture, ...]:
+def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = "auto",
+             queries: str | int = "auto") -> tuple[Capture, ...]:
     """Hooks storing the maps of ``layer`` (None: :func:`default_layer`) under ``state[key]`` at every call.
 
     ``query``: ``"cls"`` (the CLS row; CLIP only), ``"mean"`` (all queries) or ``"auto"`` (CLS where the tower
-    has one)."""
+    has one). ``queries`` (Qwen-VL towers, whose map is the mean over queries): :func:`tower_rows`."""
     has_cls = not is_qwen(adapter) and getattr(adapter.config.vision_config, "model_type", "") != "siglip_vision_model"
     if query not in ("auto", "cls", "mean") or (query == "cls" and not has_cls):
         raise ValueError(f"query={query!r}: use 'auto', 'mean' or, on a tower with a CLS token (CLIP), 'cls'; "
                          f"{adapter.config.model_type}'s tower {'has' if has_cls else 'has no'} CLS token.")
     depth = vit_depth(adapter)
-    index = default_layer(adapter) if layer is None else int(layer)
+    index = default_layer(adapter) if layer is None else stage_layer(layer, f"{name}: vit_layer")
     if not 0 <= index < depth:
         raise ValueError(f"vit_layer={layer} is outside the {depth}-layer vision tower; use 0..{depth - 1} "
                          f"(None: layer {default_layer(adapter)}).")
@@ -66,23 +71,41 @@ def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = 
             raise ValueError(f"vit_layer={index} of {adapter.config.model_type} attends within windows; {name} "
                              f"needs a full-attention block: one of {adapter.vit_full_attention_blocks()}.")
         return (Capture(adapter.vision_tower, _grab_grid(key), before=True, outside_forward=True),
-                Capture(adapter.vit_blocks[index], _grab_qwen(adapter, key), before=True, outside_forward=True))
+                Capture(adapter.vit_blocks[index], _grab_qwen(adapter, key, queries), before=True,
+                        outside_forward=True))
     cls = has_cls and query != "mean"
     return (Capture(vit.encoder_layers(adapter)[index], _grab_clip(adapter, key, cls), before=True, outside_forward=True),)
 
 
 # -- pure functions ----------------------------------------------------------------------------------------
-def received_attention(query: torch.Tensor, key: torch.Tensor, scale: float, chunk: int = 1024) -> torch.Tensor:
+def received_attention(query: torch.Tensor, key: torch.Tensor, scale: float, chunk: int = 1024,
+                       rows: int | None = None) -> torch.Tensor:
     """Attention each token receives ``[n]`` (fp32), averaged over heads and queries.
 
     query, key: ``[H, n, d]``. ``sum_i`` over at most ``chunk`` queries at a time (never an ``n x n`` per head
-    beyond ``chunk`` rows).
+    beyond ``chunk`` rows). ``rows``: average over that many evenly spaced queries only (None or ``>= n``: all,
+    the exact map; cost ``rows / n`` of it).
     """
     heads, n, _ = query.shape
+    if rows is not None and rows < n:
+        query = query[:, spaced_rows(n, rows).to(query.device)]
     total = torch.zeros(n, dtype=torch.float32, device=query.device)
     for part in query.float().split(chunk, dim=1):
         total += torch.softmax(part @ key.float().transpose(-1, -2) * scale, dim=-1).sum(dim=(0, 1))
-    return total / (heads * n)
+    return total / (heads * query.shape[1])
+
+
+def spaced_rows(n: int, rows: int) -> torch.Tensor:
+    """``rows`` evenly spaced indices of ``0..n-1`` ``[rows]`` (the first and the last included)."""
+    return torch.linspace(0, n - 1, max(rows, 1)).round().long()
+
+
+def tower_rows(queries: str | int, n: int) -> int | None:
+    """Queries averaged for a map over ``n`` patches (None: all): ``"all"``; an int ``m``: ``m`` sampled;
+    ``"auto"``: all up to :data:`FAST_PATCHES` patches, else :data:`FAST_ROWS` sampled (VisionZip's fast path)."""
+    if queries == "all" or (queries == "auto" and n <= FAST_PATCHES):
+        return None
+    return FAST_ROWS if queries == "auto" else int(queries)
 
 
 def merge_units(values: torch.Tensor, keys: torch.Tensor, unit: int, order: torch.Tensor | None
@@ -120,25 +143,34 @@ def _grab_grid(key: str):
     return grab
 
 
-def _grab_qwen(adapter: Any, key: str):
+def qwen_block_qk(module: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query and key ``[S, H, d]`` of a Qwen-VL ViT block for its input ``hidden`` ``[S, D]``: ``norm1``, the
+    fused ``attn.qkv`` and the block's own ``apply_rotary_pos_emb_vision`` with ``(cos, sin)`` ``[S, d]``."""
+    attention = module.attn
+    length = hidden.shape[0]
+    qkv = attention.qkv(module.norm1(hidden)).reshape(length, 3, attention.num_heads, -1).permute(1, 0, 2, 3)
+    rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
+    return rotary(qkv[0], qkv[1], cos, sin)
+
+
+def _grab_qwen(adapter: Any, key: str, queries: str | int = "auto"):
     unit = adapter.merge_size ** 2
 
     def grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         hidden = args[0] if args else kwargs["hidden_states"]
         bounds = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
         cos, sin = kwargs.get("position_embeddings", args[2] if len(args) > 2 else None)
-        attention = module.attn
         with torch.no_grad():
             length = hidden.shape[0]
-            qkv = attention.qkv(module.norm1(hidden)).reshape(length, 3, attention.num_heads, -1).permute(1, 0, 2, 3)
-            rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb_vision
-            query, keys = rotary(qkv[0], qkv[1], cos, sin)  # [S, H, d]
+            query, keys = qwen_block_qk(module, hidden, cos, sin)  # [S, H, d]
             values = torch.zeros(length, dtype=torch.float32, device=hidden.device)
             edges = [int(b) for b in bounds.tolist()]
             for start, end in zip(edges[:-1], edges[1:], strict=True):
                 if end > start:
                     values[start:end] = received_attention(query[start:end].transpose(0, 1),
-                                                           keys[start:end].transpose(0, 1), float(attention.scaling))
+                                                           keys[start:end].transpose(0, 1), float(module.attn.scaling),
+                                                           rows=tower_rows(queries, end - start))
             grid = state.pop(key + "_grid", None)
             order = adapter.vit_merged_order(grid) if grid is not None else None
             merged = merge_units(values, keys.float().mean(dim=1), unit, order)

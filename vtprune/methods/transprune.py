@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vtprune.config import Stage
+from vtprune.config import Stage, stage_layer
 from vtprune.methods import schedules
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.functional import normalise_alive, ttv, ttv_terms
@@ -59,7 +59,7 @@ class TokenTransitionVariation(Scorer):
         stages = tuple(s for s in stages if s.layer > 0)
         if not stages:
             return ()
-        start = stages[0].layer - 1 if self.ttv_start is None else int(self.ttv_start)
+        start = stages[0].layer - 1 if self.ttv_start is None else stage_layer(self.ttv_start, "ttv_start")
         if not 0 <= start < stages[-1].layer:
             raise ValueError(
                 f"ttv_start={self.ttv_start} must be in [0, {stages[-1].layer - 1}] (before the last stage "

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from vtprune.config import Stage
+from vtprune.config import Stage, stage_layer
 from vtprune.methods import qwen_vit, schedules, vit
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.entropy import denormalize, entropy_weights, patch_entropy
@@ -86,7 +86,7 @@ class VFlowOpt(Scorer):
         if hasattr(adapter, "vit_blocks"):
             return self._qwen_captures(adapter)
         layers = vit.encoder_layers(adapter)
-        index = vit.feature_layer_index(adapter) if self.vit_layer is None else int(self.vit_layer)
+        index = vit.feature_layer_index(adapter) if self.vit_layer is None else stage_layer(self.vit_layer, "vit_layer")
         if not 0 <= index < len(layers):
             raise ValueError(f"vit_layer={self.vit_layer} is outside the {len(layers)}-layer vision tower; "
                              f"use 0..{len(layers) - 1} (None: the projector's feature layer).")
