@@ -9,7 +9,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ("vtprune.api", "vtprune.config", "vtprune.plan", "vtprune.engine", "vtprune.prefill", "vtprune.decode",
         "vtprune.calls", "vtprune.state", "vtprune.layout", "vtprune.scoring", "vtprune.methods", "vtprune.errors",
-        "vtprune.calibration_check", "vtprune.method_config", "vtprune.flops", "vtprune.kv", "vtprune.outputs", "vtprune.adapters",
+        "vtprune.calibration_check", "vtprune.method_config", "vtprune.flops", "vtprune.kv", "vtprune.outputs", "vtprune.guards",
+        "vtprune.adapters",
         "vtprune.kernels")
 APPLICATIONS = ("vtprune.__main__", "vtprune.cli", "vtprune.models", "vtprune.media", "vtprune.gridprobe", "vtprune.demo", "vtprune.eval")
 KNOWN_CYCLES: list[list[str]] = []
