@@ -7,7 +7,6 @@ Model calls go through Gradio's queue one at a time; uploads are checked here (s
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import re
@@ -33,13 +32,16 @@ from vtprune.demo.app import (  # noqa: E402
     VideoUnavailable,
     check_upload,
     load_image,
+    model_summary,
+    speed_caption,
     write_examples,
 )
 from vtprune.errors import UserError  # noqa: E402
 
 LOG = logging.getLogger("vtprune.demo")
-OUTPUTS = ("status", "answer_full", "answer_pruned", "metrics", "overlay", "heatmap", "caption", "gp_map",
+OUTPUTS = ("status", "answer_full", "answer_pruned", "notes", "metrics", "overlay", "heatmap", "caption", "gp_map",
            "gp_frames", "video_info", "video_metrics", "tabs")
+EMPTY_ANSWER = "(empty: see the notes)"
 CSS = """
 #status {min-height: 1.5em}
 table.vt-table {width: 100%; border-collapse: collapse; font-size: 0.95em; border: none !important; margin: 4px 0}
@@ -50,6 +52,7 @@ table.vt-table th:first-child {white-space: nowrap}
 table.vt-table tr:first-child th {border-bottom: 2px solid #a1a1aa !important}
 table.vt-table td {font-variant-numeric: tabular-nums}
 table.vt-table tr.speedup td {font-weight: 600}
+p.vt-caption {font-size: 0.85em; color: #52525b; margin: 2px 0 8px}
 """
 
 
@@ -88,19 +91,20 @@ def table_html(columns: tuple[str, str], rows: list[tuple[str, str, str, str]], 
     return f"<table class='vt-table'>{head}{body}{tail}</table>"
 
 
-def metrics_html(result: Comparison, method: str, keep: float) -> str:
-    """Image table: visual tokens per stage, prefill time, FLOPs, KV cache and the speedups."""
+def metrics_html(result: Comparison, method: str, keep: float, caption: str = "") -> str:
+    """Image table: visual tokens per stage, prefill time, FLOPs, KV cache and the speedups; ``caption`` below."""
     full, pruned = result.full, result.pruned
     rows = [
         ("tokens", "Visual tokens", stage_text(full.visual_tokens, [], []),
          stage_text(pruned.visual_tokens, pruned.stage_layers, pruned.kept)),
-        ("prefill", "Prefill time (median)", f"{full.prefill_ms:.1f} ms", f"{pruned.prefill_ms:.1f} ms"),
+        ("prefill", "Prefill time (median, this machine)", f"{full.prefill_ms:.1f} ms", f"{pruned.prefill_ms:.1f} ms"),
         ("flops", "LM prefill FLOPs (theory)", human(full.flops, "FLOP"), human(pruned.flops, "FLOP")),
         ("kv", "KV cache after prefill", human(full.kv_bytes, "B", 1024), human(pruned.kv_bytes, "B", 1024)),
     ]
     speedups = (f"time {ratio(full.prefill_ms, pruned.prefill_ms)} · FLOPs {ratio(full.flops, pruned.flops)} · "
                 f"KV cache {ratio(full.kv_bytes, pruned.kv_bytes)}")
-    return table_html(("Unpruned", f"Pruned: {method}, keep {keep:g}"), rows, speedups, "")
+    table = table_html(("Unpruned", f"Pruned: {method}, keep {keep:g}"), rows, speedups, "")
+    return table + (f"<p id='speed-caption' class='vt-caption'>{caption}</p>" if caption else "")
 
 
 def video_metrics_html(result: VideoComparison, method: str, keep: float) -> str:
@@ -150,12 +154,17 @@ def run_image(runner: DemoRunner, path: str, question: str, method: str, keep: f
     """Outputs for an image upload: answers, metrics table and pictures."""
     result = runner.compare(load_image(path), question, method, keep, debias)
     kept_picture, heat_picture, caption = _pictures(result, method)
-    notes = "".join(f" Note: {note}" for note in result.notes)
     return _result(status=f"Answered with **{runner.label}**: unpruned vs **{method}** keeping "
-                          f"{result.pruned.final_tokens} of {result.pruned.visual_tokens} visual tokens.{notes}",
-                   answer_full=result.full.answer, answer_pruned=result.pruned.answer,
-                   metrics=metrics_html(result, method, keep), overlay=kept_picture, heatmap=heat_picture,
-                   caption=caption, tabs=gr.Tabs(selected="image-results"))
+                          f"{result.pruned.final_tokens} of {result.pruned.visual_tokens} visual tokens.",
+                   answer_full=result.full.answer or EMPTY_ANSWER, answer_pruned=result.pruned.answer or EMPTY_ANSWER,
+                   notes=notes_markdown(result.notes),
+                   metrics=metrics_html(result, method, keep, speed_caption(runner, result.full.visual_tokens)),
+                   overlay=kept_picture, heatmap=heat_picture, caption=caption, tabs=gr.Tabs(selected="image-results"))
+
+
+def notes_markdown(notes: list[str]) -> str:
+    """The run's notes as a list (the same sentences ``vtprune run`` prints), or nothing."""
+    return "\n".join(f"- ⚠️ Note: {note}" for note in notes)
 
 
 def option_text(question: str, answer: str) -> str:
@@ -176,10 +185,21 @@ def run_video(runner: DemoRunner, path: str, question: str, method: str, keep: f
             f"{probed.k} grid of candidate frames) score the question; the map is row x column confidence and "
             f"the {probed.m_eff} outlined cells are the frames that answer. {' '.join(probed.notes)}")
     return _result(status=f"Video answered with **{runner.label}**: all frames vs GridProbe-selected frames.",
-                   answer_full=option_text(question, result.full.answer),
-                   answer_pruned=option_text(question, probed.answer), gp_map=picture, gp_frames=strip,
+                   answer_full=option_text(question, result.full.answer) or EMPTY_ANSWER,
+                   answer_pruned=option_text(question, probed.answer) or EMPTY_ANSWER, gp_map=picture, gp_frames=strip,
+                   notes=notes_markdown(video_notes(runner, question, result)),
                    video_info=info, video_metrics=video_metrics_html(result, method, keep),
                    tabs=gr.Tabs(selected="video-results"))
+
+
+def video_notes(runner: DemoRunner, question: str, result: VideoComparison) -> list[str]:
+    """The CLI's notes for a clip: the question's vocabulary / form, empty answers."""
+    from vtprune.models.notes import empty_answer_note, input_notes
+
+    notes = input_notes(runner.processor, question, runner.embedded)
+    for who, answer in (("the all-frames run", result.full.answer), ("the GridProbe run", result.probed.answer)):
+        notes.append(empty_answer_note(answer, runner.max_new_tokens, who))
+    return [note for note in notes if note]
 
 
 def on_run(runner: DemoRunner, path: str | None, question: str, method: str, keep: float, debias: bool,
@@ -244,7 +264,7 @@ def _inputs_column(examples: list[tuple[str, str]]) -> dict[str, Any]:
         ui["grid"] = gr.Slider(2, 8, value=4, step=1, label="GridProbe K (video)", elem_id="grid")
     ui["run"] = gr.Button("Run", variant="primary", elem_id="run")
     gr.Examples([list(row) for row in examples], [ui["upload"], ui["question"]], elem_id="examples",
-                label="Synthetic vtprune-shapes samples (click one)",
+                label="Sample inputs the embedded models answer (click one: it fills in the image and a question)",
                 example_labels=[f"{Path(p).suffix[1:]}: {q[:48]}" for p, q in examples])
     return ui
 
@@ -254,6 +274,7 @@ def _outputs_column() -> dict[str, Any]:
     with gr.Row():
         ui["answer_full"] = gr.Textbox(label="Answer: unpruned", elem_id="answer-full", interactive=False)
         ui["answer_pruned"] = gr.Textbox(label="Answer: pruned", elem_id="answer-pruned", interactive=False)
+    ui["notes"] = gr.Markdown(elem_id="notes")
     with gr.Tabs(selected="image-results") as ui["tabs"]:
         with gr.Tab("Image", id="image-results"):
             ui["metrics"] = gr.HTML(elem_id="metrics")
@@ -277,8 +298,9 @@ def build_app(model_spec: str | None = None, runner: DemoRunner | None = None, d
     """The demo for ``model_spec`` (default: the embedded LLaVA); ``runner`` reuses a loaded model."""
     runner = runner or DemoRunner(model_spec, device=device)
     with gr.Blocks(title="vtprune demo") as demo:
-        gr.Markdown(f"# vtprune: visual-token pruning, side by side\nModel **{runner.label}**. The same "
-                    "prompt runs unpruned and pruned; the pictures show which visual tokens survived.")
+        gr.Markdown("# vtprune: visual-token pruning, side by side\nThe same prompt runs unpruned and pruned; "
+                    "the pictures show which visual tokens survived.")
+        gr.Markdown(model_summary(runner), elem_id="model-info")
         with gr.Row():
             with gr.Column(scale=2):
                 ui = _inputs_column(write_examples())
@@ -302,13 +324,13 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sh
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python demos/app.py [--model PATH] [--host 127.0.0.1] [--port 7860] [--share] [--device cpu]``."""
-    parser = argparse.ArgumentParser(prog="vtprune demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="folder or hub id (default: the embedded LLaVA)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--share", action="store_true", help="public Gradio link (off by default)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    """``python demos/app.py [--model PATH] [--host 127.0.0.1] [--port 7860] [--share] [--device cpu]``.
+
+    The options (and ``--help``) are ``vtprune demo``'s: :func:`vtprune.eval.demo_cli.demo_parser`.
+    """
+    from vtprune.eval.demo_cli import demo_parser
+
+    parser = demo_parser()
     args = parser.parse_args(argv)
     from vtprune.models.loading import check_device, check_model_spec
 

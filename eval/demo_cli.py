@@ -44,9 +44,13 @@ def load_demo_module(name: str = "app") -> ModuleType:
     return importlib.import_module(f"demos.{name}")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``vtprune demo [--model PATH] [--host 127.0.0.1] [--port N] [--share]``."""
-    demo = subparsers.add_parser("demo", help="launch the Gradio demo (pruned vs unpruned, side by side)")
+DESCRIPTION = ("Gradio demo of vtprune: one image (or video) and question, answered unpruned and pruned,\n"
+               "side by side, in the browser at http://HOST:PORT.")
+
+
+def add_demo_options(demo: argparse.ArgumentParser) -> None:
+    """The demo's options, shared by ``vtprune demo`` and ``python demos/app.py`` (the same --help)."""
+    demo.description = DESCRIPTION
     demo.add_argument("--model", default=None,
                       help="folder or hub id; 'embedded:llava' (default), 'embedded:qwen2_vl', 'tiny:<type>'")
     demo.add_argument("--host", default="127.0.0.1",
@@ -54,7 +58,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--port", type=int_range(1, 65535), default=7860, help="port (default 7860)")
     demo.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``vtprune demo [--model PATH] [--host 127.0.0.1] [--port N] [--share] [--device D]``."""
+    demo = subparsers.add_parser("demo", help="launch the Gradio demo (pruned vs unpruned, side by side)")
+    add_demo_options(demo)
     demo.set_defaults(func=command_demo)
+
+
+def demo_parser() -> argparse.ArgumentParser:
+    """The parser of ``python demos/app.py``: the same options, help and examples as ``vtprune demo``."""
+    from vtprune.cli.help import EPILOGS, HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="python demos/app.py", formatter_class=HelpFormatter,
+                                     epilog=EPILOGS["demo"])
+    add_demo_options(parser)
+    return parser
 
 
 def command_demo(args: argparse.Namespace) -> int:

@@ -110,9 +110,19 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         writer.write(cv2.cvtColor(np.asarray(frame), cv2.COLOR_RGB2BGR))
     writer.release()
     (folder / "notes.txt").write_text("not a picture\n")
+    _photo().save(folder / "photo.jpg", quality=90)
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nthis is not really a PNG")
     return {"image": folder / "shapes.png", "question": sample.questions[0].text, "video": folder / "clip.mp4",
+            "photo": folder / "photo.jpg",
             "video_question": clip.questions[0].text, "text": folder / "notes.txt", "broken": folder / "broken.png"}
+
+
+def _photo() -> Image.Image:
+    """A 640x427 landscape 'photo' (smooth colour gradients and noise, nothing of vtprune-shapes in it)."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:427, 0:640]
+    base = np.stack([120 + 80 * np.sin(x / 90), 90 + 60 * np.cos(y / 70), 60 + 40 * np.sin((x + y) / 120)], -1)
+    return Image.fromarray(np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8))
 
 
 def _upload(page, path: Path) -> None:
@@ -160,6 +170,31 @@ def test_image_run_shows_both_answers_counts_and_pictures(page, inputs) -> None:
     for picture in ("#overlay img", "#heatmap img"):
         assert page.locator(picture).get_attribute("src")
     target = os.environ.get("VTPRUNE_DEMO_SCREENSHOT")
+    if target:
+        page.screenshot(path=target, full_page=True)
+
+
+@browser
+def test_a_photo_and_an_off_task_question_are_explained(page, inputs) -> None:
+    """A user's photo with "What is on the sofa?": the page says what the model is, and why the answers mean nothing."""
+    info = page.inner_text("#model-info")
+    assert "embedded:llava" in info and "vtprune-shapes" in info and "What color is the circle?" in info
+    assert page.locator("#model-info a[href='https://huggingface.co/llava-hf/llava-1.5-7b-hf']").count() == 1
+    assert page.locator("#examples").is_visible()
+    _upload(page, inputs["photo"])
+    page.fill("#question textarea", "What is on the sofa?")
+    assert _run(page).startswith("Answered")
+    notes = page.inner_text("#notes")
+    assert "not in its vocabulary: 'on', 'sofa'" in notes and "its answer is a guess or empty" in notes
+    assert "the image is 640x427" in notes and "centre-crops a square" in notes
+    for box in ("#answer-full textarea", "#answer-pruned textarea"):
+        answer = page.input_value(box).strip()
+        assert answer, f"{box} is blank"
+        if answer == app.EMPTY_ANSWER:
+            assert "generated no text" in notes
+    caption = page.inner_text("#speed-caption")
+    assert "M-parameter model with 16 visual tokens" in caption and "FLOPs and KV-cache ratios" in caption
+    target = os.environ.get("VTPRUNE_DEMO_PHOTO_SCREENSHOT")
     if target:
         page.screenshot(path=target, full_page=True)
 
@@ -226,6 +261,17 @@ def test_demo_cli_explains_a_missing_demos_folder(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(demo_cli, "DEMOS_DIR", tmp_path / "demos")
     assert cli.main(["demo"]) == 2
     assert "needs the repository's demos/ folder" in capsys.readouterr().err
+
+
+def test_demo_app_and_vtprune_demo_have_the_same_options_and_help(capsys) -> None:
+    from vtprune import cli
+
+    helps = []
+    for run in (lambda: cli.main(["demo", "--help"]), lambda: app.main(["--help"])):
+        with pytest.raises(SystemExit):
+            run()
+        helps.append(capsys.readouterr().out.split("\n\n", 1)[1])  # past the usage line (program names differ)
+    assert helps[0] == helps[1] and "port (default 7860)" in helps[0] and "examples:" in helps[0]
 
 
 def test_uploads_outside_the_upload_folder_or_too_large_are_refused(tmp_path) -> None:

@@ -71,11 +71,15 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
     dtype = str(load.get("dtype", "float32"))
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)} in --model_args.")
+    from vtprune.errors import UserError
     from vtprune.models.loading import check_load
 
     # A bad folder, an unreachable or offline hub id, a missing GPU or flash-attn fail now, in one line.
-    check_load(_optional_str(load.get("pretrained")), _optional_str(load.get("device")),
-               str(load.get("attn_implementation", "sdpa")), dtype)
+    try:
+        check_load(_optional_str(load.get("pretrained")), _optional_str(load.get("device")),
+                   str(load.get("attn_implementation", "sdpa")), dtype)
+    except UserError as error:  # vtprune's loader names the CLI's --model; here the value came from pretrained=
+        raise UserError(str(error).replace("--model ", "pretrained=")) from error
     return PluginArgs(
         prune=prune, pretrained=_optional_str(load.get("pretrained")),
         attn_implementation=str(load.get("attn_implementation", "sdpa")), dtype=dtype,

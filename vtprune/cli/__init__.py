@@ -91,9 +91,9 @@ def command_run(args: argparse.Namespace) -> int:
 
         return command_run_video(args)
     from vtprune.cli.options import check_depth
-    from vtprune.media.images import aspect_limit, crop_note, open_image
+    from vtprune.media.images import aspect_limit, open_image
     from vtprune.models.loading import check_load
-    from vtprune.models.vocabulary import question_note
+    from vtprune.models.notes import empty_answer_note, input_notes
 
     target = check_load(args.model, args.device, args.attn, args.dtype)
     pruning = pruning_choice(args)
@@ -106,10 +106,8 @@ def command_run(args: argparse.Namespace) -> int:
         image = open_image(args.image, max_aspect=aspect_limit(model_type_of(target)))
         question = _question(args, "What is in the image?")
     record, processor = _answer(args, pruning, image, question)
-    notes = [question_note(processor, question, record["model"].startswith("embedded")),
-             crop_note(processor, image.size)]
-    if not record["answer"]:
-        notes.append(f"the model generated no text within {args.max_new_tokens} new tokens.")
+    notes = input_notes(processor, question, record["model"].startswith("embedded"), image.size)
+    notes.append(empty_answer_note(record["answer"], args.max_new_tokens))
     record["notes"] = pruning.notes + [note for note in notes if note]
     if expected is not None:
         record["expected"] = expected
