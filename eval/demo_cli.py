@@ -2,7 +2,7 @@
 
 The demo's UI lives in the repository folder ``demos/`` (not installed by ``pyproject.toml``); the model side
 is :mod:`vtprune.demo.app`. This module finds ``demos/`` next to the installed ``vtprune.eval`` package (an
-editable install of a checkout, ``pip install -e .[demo]``) and imports it as the package ``demos``.
+editable install of a checkout, ``pip install -c constraints.txt -e ".[demo]"``) and imports it as the package ``demos``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from vtprune.cli.checks import int_range
+from vtprune.errors import install_extra
 
 DEMOS_DIR = Path(__file__).resolve().parent.parent / "demos"
 
@@ -24,7 +25,7 @@ def demos_dir() -> Path:
     if not (DEMOS_DIR / "app.py").is_file():
         raise FileNotFoundError(
             f"the Gradio demo needs the repository's demos/ folder, expected at {DEMOS_DIR}, which is missing: "
-            "vtprune is installed without its checkout. Install from a clone with `pip install -e .[demo]` "
+            f"vtprune is installed without its checkout. Install from a clone with `{install_extra('demo')}` "
             "and run `vtprune demo` (or `python demos/app.py`) there."
         )
     return DEMOS_DIR

@@ -85,7 +85,7 @@ def resolve_impl(impl: str, device: torch.device, triton_dtype_ok: bool = True) 
     if err is not None:
         raise RuntimeError(
             f"impl='triton' was requested but `import triton` failed ({type(err).__name__}: {err}). "
-            "Install it with `pip install triton` (or `pip install vtprune[triton]`), or use impl='torch'."
+            "Install it with `pip install triton`, or use impl='torch'."
         ) from err
     if not triton_dtype_ok:
         raise ValueError(
@@ -124,7 +124,7 @@ def check_environment(device: torch.device) -> None:
     if err is not None:
         reason = (str(err).strip().splitlines() or [""])[0][:120]
         raise ValueError(f"{ENV_VAR}=triton but `import triton` failed ({type(err).__name__}: {reason}); install "
-                         f"it (pip install 'vtprune[triton]') or unset {ENV_VAR} (or set it to 'torch').")
+                         f"it (pip install triton) or unset {ENV_VAR} (or set it to 'torch').")
     if device.type == "cpu" and not interpreter_enabled():
         raise ValueError(f"{ENV_VAR}=triton but the model is on the CPU, where Triton runs only through its "
                          f"interpreter: also set TRITON_INTERPRET=1, move the model to CUDA, or unset {ENV_VAR}.")

@@ -21,7 +21,8 @@ def test_user_errors_are_one_line_and_bugs_keep_their_traceback(monkeypatch, cli
     parser = vtprune_cli.build_parser()
     for error, shown in ((UserError("bad value x; use y."), "bad value x; use y."),
                          (FileNotFoundError("no file f"), "no file f"),
-                         (ModuleNotFoundError("No module named 'optuna'", name="optuna"), "vtprune[bench]")):
+                         (ModuleNotFoundError("No module named 'optuna'", name="optuna"),
+                          'pip install -c constraints.txt -e ".[bench]"')):
         monkeypatch.setattr(vtprune_cli, "build_parser", lambda e=error: _with_command(parser, command(e)))
         code, _, err = cli("info")
         assert code == 2 and err.strip() == err.strip().splitlines()[0] and shown in err, err

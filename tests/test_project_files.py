@@ -58,6 +58,20 @@ def test_user_pages_carry_no_internal_wording(page: Path) -> None:
     assert not found, f"{page.relative_to(ROOT)}: {found}"
 
 
+def test_missing_extra_messages_give_the_command_that_works_from_a_clone() -> None:
+    """vtprune is installed from its clone, not from an index: ``pip install 'vtprune[demo]'`` cannot work."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "vtprune", "eval", "kernels", "adapters", "demos", "scripts", "*.md",
+                            "docs"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    wrong = re.compile(r"pip install ['\"]?vtprune\[|pip install -e \.\[")
+    found = [f for f in files if (ROOT / f).is_file() and wrong.search((ROOT / f).read_text(errors="ignore"))]
+    assert not found, f"an install hint that fails from a clone: {found}"
+    from vtprune.errors import install_extra
+
+    assert install_extra("demo").startswith('pip install -c constraints.txt -e ".[demo]"')
+
+
 def test_first_screen_says_what_was_measured_on_what_before_any_table() -> None:
     """Before the first table: what vtprune is, the install line, the example, and the measured-on-what line."""
     first = README.read_text().split("\n|", 1)[0]

@@ -11,3 +11,11 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """Something the user gave is unusable; the message names the value and what to do instead."""
+
+
+def install_extra(extra: str) -> str:
+    """The command that installs an optional part from a clone, e.g. ``pip install -c constraints.txt -e ".[demo]"``.
+
+    vtprune is installed from its repository, not from a package index: the extra is named on the clone's path.
+    """
+    return f'pip install -c constraints.txt -e ".[{extra}]" (in the vtprune clone)'

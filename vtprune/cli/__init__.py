@@ -22,7 +22,7 @@ from vtprune.cli.options import (
     keep_label,
     pruning_choice,
 )
-from vtprune.errors import UserError
+from vtprune.errors import UserError, install_extra
 
 MAX_SAMPLE = 9_999
 OPTIONAL_PACKAGES = {"optuna": "bench", "matplotlib": "bench", "gradio": "demo", "av": "video", "decord": "video",
@@ -236,8 +236,7 @@ def user_error_message(error: BaseException) -> str | None:
         return str(error)
     if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in OPTIONAL_PACKAGES:
         package = error.name.split(".")[0]
-        return (f"this command needs the optional package {package!r}: pip install "
-                f"'vtprune[{OPTIONAL_PACKAGES[package]}]'.")
+        return f"this command needs the optional package {package!r}: {install_extra(OPTIONAL_PACKAGES[package])}."
     if isinstance(error, ValueError) and _raised_by_vtprune(error):
         return str(error)
     return None

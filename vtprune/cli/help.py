@@ -36,7 +36,7 @@ question with other words gets a warning and a guessed or empty answer.""",
     "sample": """\
 examples:
   vtprune sample --image shapes.png                 a test image and the questions the embedded models answer
-  vtprune sample --video clip.mp4 --index 2         a test clip (needs PyAV or OpenCV: pip install 'vtprune[video]')
+  vtprune sample --video clip.mp4 --index 2         a test clip (needs PyAV or OpenCV: the [video] extra)
   vtprune run --image shapes.png --question "What color is the circle?\"""",
     "bench": """\
 examples:

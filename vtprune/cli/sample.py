@@ -11,7 +11,7 @@ import shlex
 from pathlib import Path
 
 from vtprune.cli.checks import check_output_file, int_range
-from vtprune.errors import UserError
+from vtprune.errors import UserError, install_extra
 
 MAX_INDEX = 9_999
 FPS = 8
@@ -95,7 +95,7 @@ def write_clip(path: Path, frames: list, fps: int) -> str:
     try:
         import cv2
     except ImportError:
-        raise UserError("writing a clip needs PyAV or OpenCV: pip install 'vtprune[video]'.") from None
+        raise UserError(f"writing a clip needs PyAV or OpenCV: {install_extra('video')}.") from None
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, arrays[0].shape[1::-1])
     for array in arrays:
         writer.write(cv2.cvtColor(array, cv2.COLOR_RGB2BGR))

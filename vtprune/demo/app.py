@@ -25,6 +25,7 @@ from vtprune.demo.uploads import VIDEO_SUFFIXES as VIDEO_SUFFIXES
 from vtprune.demo.uploads import UploadError
 from vtprune.demo.uploads import check_upload as check_upload
 from vtprune.demo.uploads import load_image as load_image
+from vtprune.errors import install_extra
 from vtprune.flops import LMShape, kv_cache_bytes, prefill_flops, tokens_per_layer
 from vtprune.models.notes import empty_answer_note, input_notes
 from vtprune.models.pipeline import answer_questions, build_inputs, check_prompt_length
@@ -220,8 +221,7 @@ class DemoRunner:
             from vtprune.gridprobe.run import run_gridprobe
             from vtprune.media.video import load_video
         except ImportError as error:
-            raise VideoUnavailable(f"video support not installed ({error}); install vtprune[video] and a "
-                                   "vtprune version with GridProbe (vtprune.gridprobe.run).") from error
+            raise VideoUnavailable(f"video support not installed ({error}); {install_extra('video')}.") from error
         self._check_question(question)
         try:
             clip = load_video(path, num_frames=k * k)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vtprune.errors import UserError
+from vtprune.errors import UserError, install_extra
 from vtprune.media.video_io import (
     StreamInfo,
     check_frame_count,
@@ -150,7 +150,7 @@ def _probe(file: Path) -> StreamInfo:
     except UserError:
         raise
     except ImportError as error:
-        raise UserError(f"video input needs PyAV ({error}); pip install 'vtprune[video]'.") from error
+        raise UserError(f"video input needs PyAV ({error}); {install_extra('video')}.") from error
     except Exception as error:  # av.error.* for data that is not a video
         raise ValueError(f"cannot decode video {str(file)!r} (PyAV: {_first_line(error)}).") from error
     width, height = info.display_size
