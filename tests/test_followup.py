@@ -77,7 +77,8 @@ def _check_followup(model_type: str, method: str, options: dict, rows: int, mask
             tokens, ref = reference_decode_kv(model, conversation, kept_row, TURN2, len(SPECIAL_TOKENS),
                                               prompt=alone["input_ids"].shape[1])
         else:
-            tokens, ref = reference_decode(model, conversation, stages, kept_row, TURN2, len(SPECIAL_TOKENS))
+            tokens, ref = reference_decode(model, conversation, stages, kept_row, TURN2, len(SPECIAL_TOKENS),
+                                           compact=options.get("positions") == "compact")
         assert torch.equal(tokens, turn2.sequences[row, ids.shape[1]:])
         torch.testing.assert_close(ref, logits[row], atol=1e-4, rtol=0)
 
@@ -87,6 +88,7 @@ def _check_followup(model_type: str, method: str, options: dict, rows: int, mask
     ("llava", "pdrop", {}), ("qwen2_5_vl", "fastv", {}), ("llava", "random", {"layer": 0}),
     ("qwen2_vl", "random", {"layer": 0}), ("llava", "prefixkv", {}), ("qwen2_5_vl", "prefixkv", {}),
     ("llava", "divprune", {}), ("qwen2_vl", "divprune", {}),
+    ("llava", "random", {"schedule": "0:0.5,2:0.25", "positions": "compact"}),
 ])
 def test_followup_turn_of_a_ragged_batch_equals_the_reference(model_type, method, options, mask):
     _check_followup(model_type, method, options, rows=2, mask=mask)
@@ -96,7 +98,7 @@ def test_followup_turn_of_a_ragged_batch_equals_the_reference(model_type, method
 @pytest.mark.parametrize(("model_type", "method", "options"), [
     (model_type, method, options) for model_type in ("llava", "qwen2_vl")
     for method, options in (("random", {"schedule": "0:0.5"}), ("divprune", {}), ("prefixkv", {}), ("fastv", {}))
-])
+] + [("llava", "random", {"schedule": "0:0.5", "positions": "compact"})])
 def test_followup_turn_without_padding_equals_the_reference(model_type, method, options, mask):
     """Batch 1 with an all-ones mask or none: generate() drops the mask and feeds the tokens beyond the pruned
     layer-0 cache, some of which the cache has seen; the engine feeds the language model only the new ones."""
