@@ -287,8 +287,29 @@ def main(argv: list[str] | None = None) -> Path:
         writer = csv.DictWriter(fh, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    print(f"wrote {len(rows)} rows to {path}")
+    print(summary(rows))
+    print(f"wrote {len(rows)} rows to {path} (every column: p20/p50/p80, reps, conditions); plots: "
+          f"python -m vtprune.eval.plot_kernels --out {args.out}")
     return path
+
+
+def summary(rows: list[dict[str, object]]) -> str:
+    """A Markdown table of the p50 latency: one line per kernel x shape x batch, one column per impl.
+
+    ``max |diff|`` is the largest deviation of any impl from the torch twin on the same inputs (top-k: the
+    number of differing indices).
+    """
+    impls = list(dict.fromkeys(str(r["impl"]) for r in rows))
+    lines = ["| kernel | shape | batch | size | " + " | ".join(f"{i} p50 ms" for i in impls) + " | max abs diff |",
+             "|---|---|---|---|" + "---|" * (len(impls) + 1)]
+    groups: dict[tuple, dict[str, dict[str, object]]] = {}
+    for r in rows:
+        groups.setdefault((r["kernel"], r["shape"], r["batch"], r["size"]), {})[str(r["impl"])] = r
+    for (kernel, shape, batch, size), by_impl in groups.items():
+        cells = [f"{float(by_impl[i]['p50_ms']):.4g}" if i in by_impl else "–" for i in impls]
+        diff = max(float(r["max_abs_diff"]) for r in by_impl.values())
+        lines.append(f"| {kernel} | {shape} | {batch} | {size} | " + " | ".join(cells) + f" | {diff:.3g} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

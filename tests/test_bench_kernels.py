@@ -55,3 +55,5 @@ def test_bench_module_cli_runs(tmp_path: Path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert (tmp_path / "bench_kernels_cpu.csv").exists()
+    table = [line for line in res.stdout.splitlines() if line.startswith("| topk |")]  # a summary, not only a path
+    assert table and "torch p50 ms" in res.stdout and "torch_loop p50 ms" in res.stdout

@@ -134,7 +134,8 @@ def _print_video(r: dict) -> None:
     print(f"answer    {r['answer']}" + (f"   (P = {probs[r['letter']]:.3f})" if probs else ""))
     if r["k"]:
         print(f"gridprobe K={r['k']}: M_eff = {r['m_eff']} of {r['k'] ** 2} (skew {r['skew']:.2f}, "
-              f"kurtosis {r['kurtosis']:.2f}, shape {r['shape']:.2f}); probe ensemble {r['probe_ensemble']}")
+              f"kurtosis {r['kurtosis']:.2f}, shape {r['shape']:.2f})"
+              + (f"; probe ensemble {r['probe_ensemble']}" if r["probe_ensemble"] else ""))
     else:
         print(f"frames    all {r['m_eff']} sampled frames (no --gridprobe)")
     times = ", ".join(f"{t:.2f}s" for t in r["times_selected"])
