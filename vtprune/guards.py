@@ -32,19 +32,20 @@ COPY_MESSAGE = "a model wrapped by vtprune cannot be copied or pickled; call han
 
 
 def cache_problem(cache: Any) -> str | None:
-    """None for a cache vtprune can prune (a plain ``DynamicCache`` of full-attention layers, not offloaded), else
-    the cache's kind for an error message. Pruning gives every layer its own length, which only that holds."""
+    """None for a cache vtprune can prune (a plain ``DynamicCache``, not offloaded, of the layers transformers
+    builds by default), else the cache's kind for an error message. Pruning gives every layer its own length,
+    which only that holds."""
     if cache is None:
         return None
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-    layers = getattr(cache, "layers", [])
     if type(cache) is not DynamicCache:
         return f"a {type(cache).__name__}"
     if getattr(cache, "offloading", False):
         return "an offloaded DynamicCache"
-    if any(type(layer) is not DynamicLayer for layer in layers):
-        return "a DynamicCache with sliding-window or quantized layers"
+    kinds = {type(layer) for layer in getattr(cache, "layers", [])} - {DynamicLayer, DynamicSlidingWindowLayer}
+    if kinds:
+        return f"a DynamicCache with {', '.join(sorted(k.__name__ for k in kinds))} layers"
     return None
 
 
