@@ -113,6 +113,7 @@ def runs(ws) -> dict[str, dict]:
         "fastv": start_lmms(ws, "fastv", FASTV_ARGS, both),
         "keep1": start_lmms(ws, "keep1", "method=fastv,keep=1.0,device=cpu,batch_size=8,threads=1", "vtprune_shapes"),
         "bad": start_lmms(ws, "bad", "method=nosuch,keep=0.25,device=cpu", "vtprune_shapes"),
+        "mc": start_lmms(ws, "mc", FASTV_ARGS, "vtprune_shapes_mc"),  # multiple_choice: the loglikelihood path
         # accelerate on CPU: the torchrun-style launcher plus ACCELERATE_USE_CPU gives MULTI_CPU ranks on gloo
         "ddp": start_lmms(ws, "ddp", FASTV_ARGS, both, ACCELERATE_LAUNCH, ACCELERATE_USE_CPU="1"),
     }
@@ -162,6 +163,22 @@ def test_keep_one_matches_vtprune_bench(ws, runs) -> None:
     assert metrics["exact_match,none"] == pytest.approx(sum(bench) / len(bench))
 
 
+def test_multiple_choice_through_the_cli_picks_the_most_likely_answer(runs) -> None:
+    """lmms-eval's ``multiple_choice`` sends one loglikelihood request per choice and scores the argmin of the
+    returned values: the plugin's pairs reach it intact and are losses (a log probability would pick the least
+    likely answer: acc 0.03 instead of 0.95 on these 39 documents)."""
+    run = runs["mc"]
+    metrics = _metrics(run, "vtprune_shapes_mc")
+    rows = run["samples"]["vtprune_shapes_mc"]
+    assert run["results"]["n-samples"]["vtprune_shapes_mc"]["effective"] == len(rows) >= 30
+    assert metrics["acc,none"] >= ACCURACY_FLOOR
+    for row in rows:
+        scores = [float(value) for value, _ in row["filtered_resps"]]
+        best = min(range(len(scores)), key=scores.__getitem__)
+        assert all(value > 0 for value in scores)
+        assert float(row["acc"]) == float(best == int(row["target"]))
+
+
 def test_bad_method_fails_with_vtprune_error(runs) -> None:
     run = runs["bad"]
     assert run["results"] is None
@@ -201,6 +218,9 @@ def test_model_args_are_validated_before_loading() -> None:
         parse_model_args({"batch_size": 0})
     with pytest.raises(ValueError, match="LAYER:KEEP"):
         parse_model_args({"schedule": "2-0.5"})
+    assert parse_model_args({}).loglikelihood == "loss"
+    with pytest.raises(ValueError, match="loglikelihood='nll': use loss"):
+        parse_model_args({"loglikelihood": "nll"})
 
 
 def test_manifests_resolve_to_lmms_classes() -> None:
@@ -243,9 +263,10 @@ def test_loglikelihood_prefers_the_greedy_answer(ws) -> None:
 
     greedy = lm.generate_until([request("generate_until", {"max_new_tokens": 4})])[0].text
     other = "no" if greedy == "yes" else "yes"
-    (lp_greedy, is_greedy), (lp_other, other_greedy) = lm.loglikelihood(
+    (loss_greedy, is_greedy), (loss_other, other_greedy) = lm.loglikelihood(
         [request("loglikelihood", " " + greedy), request("loglikelihood", " " + other)])
-    assert greedy in ("yes", "no") and is_greedy and not other_greedy and lp_greedy > lp_other
+    # lmms-eval's convention: a loss (lower is more likely); its multiple_choice scoring takes the argmin.
+    assert greedy in ("yes", "no") and is_greedy and not other_greedy and 0 < loss_greedy < loss_other
     with pytest.raises(NotImplementedError, match="multi_round"):
         lm.generate_until_multi_round([])
     lm.handle.remove()
@@ -284,9 +305,9 @@ def test_qwen_loglikelihood_feeds_the_continuation_through_the_cache() -> None:
     lm.task_dict = {"t": {"test": [{"image": item.image}]}}
     request = Instance("loglikelihood", (item.question, " yes no", lambda doc: [doc["image"]], 0, "t", "test"),
                        idx=0, metadata={"task": "t", "doc_id": 0, "repeats": 1})
-    (logprob, _), = lm.loglikelihood([request])
+    (loss, _), = lm.loglikelihood([request])
     lm.handle.remove()
-    assert logprob < 0 and logprob == logprob
+    assert loss > 0 and loss == loss
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,7 +318,7 @@ LOGLIKELIHOOD_CASES = [
     ("vtprune_llava", "tiny:llava", {"method": "pdrop", "schedule": "1:0.6;2:0.4;3:0.3"}),
     ("vtprune_llava", "tiny:llava", {"method": "divprune"}),
     ("vtprune_llava", "tiny:llava", {"method": "prefixkv"}),
-    ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "fastv", "layer": 2}),
+    ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "fastv", "layer": 2, "loglikelihood": "logprob"}),
     ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "random", "layer": 0, "seed": 3}),
     ("vtprune_qwen_vl", "tiny:qwen2_vl", {"method": "prefixkv"}),
 ]
@@ -329,10 +350,11 @@ def _reference_continuation(model, full: dict, prompt_length: int, stats) -> Any
 
 
 @pytest.mark.parametrize("model_id, spec, options", LOGLIKELIHOOD_CASES,
-                         ids=[f"{spec.split(':')[1]}-{o['method']}" for _, spec, o in LOGLIKELIHOOD_CASES])
+                         ids=["-".join([spec.split(":")[1], *map(str, o.values())]) for _, spec, o in LOGLIKELIHOOD_CASES])
 def test_loglikelihood_equals_the_independent_reference(model_id: str, spec: str, options: dict) -> None:
-    """The plugin's ``(log p(continuation | context, images), is_greedy)`` equals a hand computation: the prompt's
-    kept visual tokens (from the plugin's own prefill) and the continuation recomputed without a cache."""
+    """The plugin's ``(score, is_greedy)`` equals a hand computation: the prompt's kept visual tokens (from the
+    plugin's own prefill) and the continuation recomputed without a cache; ``score`` is the mean negative
+    log-likelihood per continuation token (``loglikelihood=loss``, default) or the summed log-probability."""
     import torch
     from lmms_eval.api.instance import Instance
     from vtprune.eval.lmms_plugin import models
@@ -354,11 +376,12 @@ def test_loglikelihood_equals_the_independent_reference(model_id: str, spec: str
     assert kept[0].kept_indices == kept[1].kept_indices  # every candidate answer is scored on the same kept tokens
     model_type = lm.model.config.model_type
     prompt_length = encode(lm.processor, [prompt_text(lm.processor, model_type, question, 1)], [image])["input_ids"].shape[1]
-    for continuation, (logprob, greedy), stats in zip(continuations, results, kept, strict=True):
+    for continuation, (score, greedy), stats in zip(continuations, results, kept, strict=True):
         full = encode(lm.processor, [prompt_text(lm.processor, model_type, question, 1) + continuation], [image])
         logits = _reference_continuation(lm.model, full, prompt_length, stats)
         targets = full["input_ids"][0, prompt_length:]
         assert len(targets) >= 1 and stats.kept[-1][0] < stats.visual_tokens[0]  # something was pruned
-        expected = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).sum()
-        assert logprob == pytest.approx(float(expected), abs=1e-4)
+        logprob = float(torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).sum())
+        expected = logprob if options.get("loglikelihood") == "logprob" else -logprob / len(targets)
+        assert score == pytest.approx(expected, abs=1e-4)
         assert greedy == bool((logits.argmax(-1) == targets).all())

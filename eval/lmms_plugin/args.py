@@ -20,6 +20,10 @@ Keys read here (everything else is a method option, e.g. ``alpha=0.5``, checked 
 ``batch_size``              requests per ``generate`` call (also lmms-eval's ``--batch_size``)
 ``max_pixels``/``min_pixels``  Qwen-VL image processor resolution bounds
 ``threads``                 ``torch.set_num_threads`` (CPU runs)
+``loglikelihood``           what ``loglikelihood`` returns: ``loss`` (default; the mean negative
+                            log-likelihood per continuation token, lower is more likely, as lmms-eval's own
+                            models return and its ``multiple_choice`` scoring expects: it takes the argmin)
+                            or ``logprob`` (the summed log-probability, as lmms-eval's API docstring says)
 ==========================  ===========================================================================
 """
 
@@ -30,7 +34,8 @@ from typing import Any
 
 LOAD_KEYS = ("pretrained", "attn_implementation", "dtype", "device")
 CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
-RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads")
+RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads", "loglikelihood")
+LOGLIKELIHOOD_KINDS = ("loss", "logprob")  # vtprune.eval.lmms_plugin.loglikelihood
 
 
 @dataclass
@@ -46,6 +51,7 @@ class PluginArgs:
     max_pixels: int | None = None
     min_pixels: int | None = None
     threads: int | None = None
+    loglikelihood: str = "loss"
 
     def describe(self) -> str:
         """One line for logs: method, keep and stages."""
@@ -87,6 +93,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
         max_pixels=_optional_int("max_pixels", run.get("max_pixels")),
         min_pixels=_optional_int("min_pixels", run.get("min_pixels")),
         threads=_optional_int("threads", run.get("threads")),
+        loglikelihood=_loglikelihood_kind(run.get("loglikelihood", "loss")),
     )
 
 
@@ -152,6 +159,13 @@ def _map_device_map(rest: dict[str, Any]) -> None:
     if rest.get("device") not in (None, "", value):
         raise ValueError(f"device={rest['device']!r} and device_map={value!r} disagree; pass only device=.")
     rest["device"] = str(value)
+
+
+def _loglikelihood_kind(value: Any) -> str:
+    if value not in LOGLIKELIHOOD_KINDS:
+        raise ValueError(f"loglikelihood={value!r}: use loss (the default: mean negative log-likelihood per "
+                         "continuation token, what lmms-eval's multiple_choice scoring expects) or logprob.")
+    return str(value)
 
 
 def _optional_str(value: Any) -> str | None:

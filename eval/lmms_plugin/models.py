@@ -19,6 +19,7 @@ from lmms_eval.api.model import lmms
 from loguru import logger as eval_logger
 from tqdm import tqdm
 from vtprune.adapters import ADAPTERS
+from vtprune.eval.lmms_plugin import loglikelihood as ll
 from vtprune.eval.lmms_plugin.args import PluginArgs, parse_model_args
 from vtprune.eval.lmms_plugin.inputs import (
     batches,
@@ -186,20 +187,28 @@ class VTPruneModel(lmms):
             counts.append(row.index(eos) + 1 if eos is not None and eos in row else len(row))
         return counts
 
-    def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
-        """``(log p(continuation | context, images), continuation is greedy)`` per request, one at a time."""
-        results: list[tuple[float, bool]] = []
+    def loglikelihood(self, requests: list[Instance]) -> list[ll.LoglikelihoodResult]:
+        """``(score, continuation is greedy)`` per request, one at a time.
+
+        ``score`` is, by default (``loglikelihood=loss``), the mean negative log-likelihood per continuation
+        token: lmms-eval's own models return that and its ``multiple_choice`` scoring takes the argmin (a log
+        probability there would pick the least likely answer). ``loglikelihood=logprob`` returns
+        ``log p(continuation | context, images)`` (summed), as lmms-eval's API docstring describes. Each pair is
+        a :class:`~vtprune.eval.lmms_plugin.loglikelihood.LoglikelihoodResult` (lmms-eval 0.7.3 turns plain
+        tuples into strings); it unpacks like the pair.
+        """
+        results: list[ll.LoglikelihoodResult] = []
         stats = RunStats()
         for req in tqdm(requests, disable=self._rank != 0, desc=f"{self.model_id} loglikelihood"):
             if (req.metadata or {}).get(PADDING_FLAG):
-                results.append((0.0, False))
+                results.append(ll.result(0.0, False))
                 continue
             results.append(self._loglikelihood_one(req, stats))
         log_run_stats(stats, 1, f"{self.model_id} {self.args.describe()} loglikelihood")
         return results
 
     @torch.inference_mode()
-    def _loglikelihood_one(self, req: Instance, stats: RunStats) -> tuple[float, bool]:
+    def _loglikelihood_one(self, req: Instance, stats: RunStats) -> ll.LoglikelihoodResult:
         context, target, doc_to_visual, doc_id, task, split = req.args
         doc = self.task_dict[task][split][doc_id]
         continuation = target if isinstance(target, str) else target(doc)
@@ -217,10 +226,11 @@ class VTPruneModel(lmms):
         logits = self._continuation_logits(full, n_cont)
         elapsed = time.perf_counter() - start
         target_ids = full["input_ids"][:, -n_cont:]
-        logprob = torch.log_softmax(logits, dim=-1).gather(-1, target_ids.unsqueeze(-1)).sum()
+        logprob = float(torch.log_softmax(logits, dim=-1).gather(-1, target_ids.unsqueeze(-1)).sum())
         call_stats = self.handle.last_stats
         stats.add_call(call_stats if call_stats is not before else None, 1, 0, elapsed)
-        return float(logprob), bool((logits.argmax(-1) == target_ids).all())
+        greedy = bool((logits.argmax(-1) == target_ids).all())
+        return ll.result(ll.score(logprob, n_cont, self.args.loglikelihood), greedy)
 
     def _continuation_logits(self, full: dict, n_cont: int) -> torch.Tensor:
         """Logits ``[1, n_cont, V]`` predicting the continuation: the prompt is prefilled (and pruned) first,

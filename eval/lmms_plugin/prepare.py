@@ -1,4 +1,4 @@
-"""Write the local lmms-eval tasks ``vtprune_shapes`` (and ``vtprune_shapes_video``): data + task YAML.
+"""Write the local lmms-eval tasks ``vtprune_shapes``, ``vtprune_shapes_mc`` (and ``vtprune_shapes_video``).
 
 lmms-eval reads a local task from a YAML whose ``dataset_kwargs.data_files`` names JSON files, so the data
 must exist on disk first. This module generates it from the seeded vtprune-shapes generator (no hub) and
@@ -21,6 +21,8 @@ import shutil
 from pathlib import Path
 
 IMAGE_TASK = "vtprune_shapes"
+CHOICE_TASK = "vtprune_shapes_mc"
+CLOSED_QTYPES = ("color", "shape", "count", "exists", "where")
 VIDEO_TASK = "vtprune_shapes_video"
 TEMPLATES = Path(__file__).resolve().parent / "tasks"
 ENV_VAR = "VTPRUNE_LMMS_TASKS"
@@ -65,6 +67,20 @@ def write_image_task(out: Path, n_images: int, split: str = "test") -> Path:
             row.pop("boxes", None)
             target.write(json.dumps(row) + "\n")
     return write_task_yaml(task_dir, IMAGE_TASK, docs)
+
+
+def write_choice_task(out: Path, image_docs: Path) -> Path:
+    """``vtprune_shapes_mc``: the closed-answer questions of ``image_docs`` (``vtprune_shapes``' documents, same
+    images), scored by loglikelihood over the answer set (``multiple_choice``)."""
+    task_dir = _fresh_dir(out / CHOICE_TASK)
+    data = task_dir / "data"
+    data.mkdir()
+    docs = data / "docs.jsonl"
+    with image_docs.open() as source, docs.open("w") as target:
+        for line in source:
+            if json.loads(line)["qtype"] in CLOSED_QTYPES:
+                target.write(line)
+    return write_task_yaml(task_dir, CHOICE_TASK, docs)
 
 
 def write_video_task(out: Path, n_clips: int, split: str = "test", frame_stride: int = 1) -> Path:
@@ -119,6 +135,7 @@ def prepare(out: str | Path | None = None, n_images: int = 100, video_clips: int
     root = Path(out).expanduser().resolve() if out else default_out().resolve()
     root.mkdir(parents=True, exist_ok=True)
     write_image_task(root, n_images, split)
+    write_choice_task(root, root / IMAGE_TASK / "data" / "docs.jsonl")
     if video_clips:
         write_video_task(root, video_clips, split, frame_stride)
     return root
