@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "vtprune.eval.calibrate_cli",
     "vtprune.eval.tune",
     "vtprune.eval.demo_cli",
+    "vtprune.vllm.serve",
 )
 
 
@@ -90,6 +91,9 @@ def command_run(args: argparse.Namespace) -> int:
         from vtprune.cli.video import command_run_video
 
         return command_run_video(args)
+    if getattr(args, "options", None) is not None:
+        raise UserError("--options (multiple-choice answers) applies to --video; for an image, write the choices "
+                        "into --question.")
     from vtprune.cli.options import check_depth
     from vtprune.media.images import aspect_limit, open_image
     from vtprune.models.loading import check_load
@@ -202,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``VTPRUNE_TRACEBACK=1`` to see the traceback of a user error too.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # only `serve` passes unknown options on (to vLLM)
+        if getattr(args, "passthrough", None) is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.passthrough = list(extra)
     return run_reporting_errors(lambda: args.func(args), "vtprune")
 
 

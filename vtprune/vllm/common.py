@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import weakref
@@ -47,6 +48,11 @@ class PrunedProcessorMixin:
 
     #: modality -> the HF output field whose first dimension counts that modality's items
     item_fields: dict[str, str] = {"image": "pixel_values"}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        check_vllm_version()
+        self.vtprune_settings()  # refuse bad settings when vLLM builds the processor (at start-up)
 
     def vtprune_settings(self) -> VllmPruning:
         return VllmPruning.from_config(self.info.get_hf_config())
@@ -112,6 +118,8 @@ class PrunedModelMixin:
             raise RuntimeError("vtprune: vLLM's model runner was not found while the model was built, so kept "
                                "tokens could not get their original M-RoPE positions (untested vLLM version?).")
         self._vtprune_runner = weakref.ref(runner) if runner is not None else None
+        #: the kept row indices of the most recent items (bounded; read in tests through ``LLM.apply_model``)
+        self.vtprune_selections: collections.deque[list[int]] = collections.deque(maxlen=256)
 
     def enable_position_updates(self) -> None:
         """Make the runner call :meth:`recompute_mrope_positions` (vLLM does so only for EVS video pruning)."""
@@ -121,8 +129,10 @@ class PrunedModelMixin:
 
     def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int = 1) -> torch.Tensor:
         """Sorted kept row indices ``[k]`` of one item ``[n, D]``; tensor-parallel ranks use rank 0's."""
-        rows = select_rows(self.vtprune.method, embeddings, keep, frames, self.vtprune.seed)
-        return broadcast_from_first_rank(rows)
+        rows = broadcast_from_first_rank(select_rows(self.vtprune.method, embeddings, keep, frames,
+                                                     self.vtprune.seed))
+        self.vtprune_selections.append(rows.tolist())
+        return rows
 
 
 def broadcast_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
@@ -135,3 +145,17 @@ def broadcast_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
     except (ImportError, AssertionError):
         return rows
     return get_tp_group().broadcast(rows.contiguous(), src=0)
+
+
+def recent_selections(model: Any) -> list[list[int]]:
+    """The kept rows of the most recent items (``LLM.apply_model(recent_selections)``; for tests)."""
+    return list(getattr(model, "vtprune_selections", []))
+
+
+def clear_selections(model: Any) -> int:
+    """Forget the recorded selections (``LLM.apply_model(clear_selections)``); returns how many there were."""
+    records = getattr(model, "vtprune_selections", None)
+    count = len(records) if records is not None else 0
+    if records is not None:
+        records.clear()
+    return count

@@ -17,13 +17,20 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
 
 
+class VtpruneLlavaProcessingInfo(LlavaProcessingInfo):
+    """Budgets (encoder cache, profiling) for an unpruned image: a request may ask for ``vtprune_keep`` 1.0."""
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts):
+        return {"image": self.get_max_image_tokens()}
+
+
 class VtpruneLlavaProcessor(PrunedProcessorMixin, LlavaMultiModalProcessor):
     """LLaVA's processor with ``kept_count`` placeholders per image."""
 
     item_fields = {"image": "pixel_values"}
 
 
-@MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaProcessor, info=LlavaProcessingInfo,
+@MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaProcessor, info=VtpruneLlavaProcessingInfo,
                                         dummy_inputs=LlavaDummyInputsBuilder)
 class VtpruneLlavaForConditionalGeneration(PrunedModelMixin, LlavaForConditionalGeneration):
     """LLaVA-1.5 whose image embeddings are pruned before the language model."""
