@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> Path:
     journal = out / "records.jsonl"
     done = set()
     if args.resume and journal.exists():
-        done = {json.loads(line)["item"] for line in journal.read_text().splitlines() if line.strip()}
+        done = resumed_items(journal)
     elif journal.exists():
         journal.unlink()
     evaluate_item(runner, items[0], pairs[:2], args)  # warm-up, discarded
@@ -243,6 +243,22 @@ def run(args: argparse.Namespace) -> Path:
     meta = {"model": model_label(args.model), "setting": args.setting, "split": args.split, "route": ROUTE,
             "k": args.k if args.setting == "video" else "", "debias_file": args.debias_file or "", **env}
     return write_report(journal, out, meta)
+
+
+def resumed_items(journal: Path) -> set[int]:
+    """Questions already answered in ``journal`` (``--resume``); UserError naming the file and line if unreadable."""
+    from vtprune.errors import UserError
+
+    done = set()
+    for number, line in enumerate(journal.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            done.add(int(json.loads(line)["item"]))
+        except (ValueError, KeyError, TypeError) as error:
+            raise UserError(f"--resume: {journal} line {number} is not a bench_long record ({type(error).__name__}); "
+                            "delete that line (a run stopped mid-write) or start again without --resume.") from error
+    return done
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -141,6 +141,8 @@ RUN_CASES = [
     (["--question", "<|image_pad|>What?"], "--question contains '<|image_pad|>'"),
     (["--keep", "2"], "argument --keep: keep must be in (0, 1]"),
     (["--layer", "1.7"], "argument --layer: expected an integer, got '1.7'"),
+    (["--options", "A) red;B) blue"], "--options (multiple-choice answers) applies to --video"),
+    (["--method", "prefixkv", "--parity", "release"], "pass scope='prompt' (command line: a --config file"),
 ]
 
 
@@ -206,3 +208,21 @@ def test_bench_long_arguments_are_one_line_before_loading(no_model, tmp_path, ca
     err = capsys.readouterr().err
     assert stop.value.code == 2 and words in err and _one_line(err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_long_resume_names_a_broken_journal(tmp_path):
+    from vtprune.eval.bench_long import resumed_items
+
+    journal = tmp_path / "records.jsonl"
+    journal.write_text('{"item": 0, "method": "none"}\n\n{"item": 3}\n')
+    assert resumed_items(journal) == {0, 3}
+    journal.write_text('{"item": 0}\n{"item": 1, "meth')  # a run killed mid-write
+    with pytest.raises(UserError, match=r"records.jsonl line 2 is not a bench_long record"):
+        resumed_items(journal)
+
+
+def test_run_reports_the_keep_of_a_kv_retention_method(cli):
+    code, out, err = cli("run", "--model", "tiny:llava", "--device", "cpu", "--method", "prefixkv", "--keep", "0.5",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["keep"] == 0.5  # was 1.0: prefixkv has no stages, but every layer keeps 0.5 on average

@@ -65,6 +65,7 @@ def test_visionzip_release_parity_changes_only_the_contextual_values():
             pruned = _lm_input(model, inputs)
             kept = handle.last_stats.kept_indices[0][0]
         assert handle.scorer.context_value == ("release" if parity == "release" else "mean")
+        assert handle.scorer.queries == ("all" if parity == "release" else "auto")  # the exact map, as released
         runs[parity] = (kept, pruned[first:first + len(kept)])
     assert runs["default"][0] == runs["release"][0]  # same selection
     kept = runs["default"][0]
@@ -172,3 +173,5 @@ def test_release_parity_needs_the_prompt_scope_for_prefixkv():
     model, _ = tiny_model("llava")
     with pytest.raises(ValueError, match="pass scope='prompt'"):
         vtprune.wrap(model, "prefixkv", keep=0.5, parity="release")
+    with pytest.raises(ValueError, match="drop query_rows=8"):
+        vtprune.wrap(model, "prefixkv", keep=0.5, scope="prompt", query_rows=8, parity="release")

@@ -92,12 +92,14 @@ def check_pruning(choice: Pruning) -> None:
             validate_stages(config.stages, 1 << 20)  # order and keep fractions now; the depth at wrap time
         scorer = resolve(config.method, method_options, debias=config.debias)
         if config.parity == "release":
-            from vtprune.methods.release import methods_with_rules, release_rule
+            from vtprune.methods.release import methods_with_rules, release_rule, with_release_options
 
-            if release_rule(scorer) is None:
+            rule = release_rule(scorer)
+            if rule is None:
                 raise UserError(f"--parity release is not available for --method {choice.method}: vtprune has no "
                                 f"release rule for it (methods with one: {', '.join(methods_with_rules())}); "
                                 "drop --parity.")
+            with_release_options(scorer, rule)  # the release's method options, checked with the user's
     except UserError:
         raise
     except ValueError as error:
@@ -187,9 +189,12 @@ def effective_stages(handle: Any) -> list[list[float]]:
 
 
 def effective_keep(handle: Any) -> float:
-    """The final keep fraction the handle applies (the last stage's; 1.0 when nothing is pruned)."""
+    """The final keep fraction the handle applies: the last stage's; a KV-retention method's (``prefixkv``, no
+    stages: each layer's cache keeps ``keep`` on average) its ``keep``; 1.0 when nothing is pruned."""
     stages = effective_stages(handle)
-    return stages[-1][1] if stages else 1.0
+    if stages:
+        return stages[-1][1]
+    return float(handle.config.keep) if getattr(handle, "retains_kv", False) else 1.0
 
 
 def check_depth(choice: Pruning, spec: str | None) -> None:

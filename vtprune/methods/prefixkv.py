@@ -70,10 +70,14 @@ class PrefixKV(Scorer):
         if self.counting not in COUNTING:
             raise ValueError(f"counting={self.counting!r} must be one of {', '.join(COUNTING)} (how per-layer counts "
                              "are found).")
+        if self.counting == "release" and self.query_rows is not None:
+            raise ValueError(f"counting='release' (parity='release') scores every prompt row as the release does; drop "
+                             f"query_rows={self.query_rows!r}.")
         if self.counting == "release" and self.scope != "prompt":
             raise ValueError("counting='release' (parity='release') counts over the whole prompt as the release "
                              "does, which evicts from the prompt but its first `start` and last tokens: pass "
-                             "scope='prompt' (e.g. --options scope=prompt).")
+                             "scope='prompt' (command line: a --config file with \"wrap_options\": {\"scope\": "
+                             "\"prompt\"}).")
         if self.scope not in SCOPES:
             raise ValueError(f"scope={self.scope!r} must be one of {', '.join(SCOPES)} (which tokens may be evicted).")
         if self.decode not in DECODE_POLICIES:

@@ -104,7 +104,7 @@ class VisionZip(Scorer):
     name: ClassVar[str] = "visionzip"
     requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
     release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="dvlab-research/VisionZip",
-                                                 options=(("context_value", "release"),))
+                                                 options=(("context_value", "release"), ("queries", "all")))
     contextual: float = PAPER_CONTEXTUAL
     vit_layer: int | None = None
     query: str = "auto"
