@@ -20,7 +20,7 @@ TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 # too), so without a GPU take the CPU build from PyTorch's CPU index. VTPRUNE_TORCH=cpu|cuda overrides the choice.
 install_torch() {
   if .venv/bin/python -c "import torch" 2>/dev/null; then
-    echo "[setup] torch already installed: $(.venv/bin/python -c 'import torch; print(torch.__version__, "(CUDA", torch.version.cuda, "build)" if torch.version.cuda else "(CPU build)")')"
+    echo "[setup] torch already installed: $(torch_build)"
     return 0
   fi
   local want=${VTPRUNE_TORCH:-}
@@ -39,9 +39,14 @@ install_torch() {
     echo "[setup]   GB, which runs on a CPU too, unless your pip configuration provides a CPU wheel)"
     "${PIP[@]}" torch 2>&1 | grep -v "WARNING: Location" || true
   fi
-  .venv/bin/python -c "import torch" \
+  .venv/bin/python -W ignore -c "import torch" 2>/dev/null \
     || { echo "[setup] torch did not install; install it by hand (see README, Install) and rerun" >&2; exit 1; }
-  echo "[setup] installed $(.venv/bin/python -c 'import torch; print("torch", torch.__version__, "(CUDA", torch.version.cuda, "build)" if torch.version.cuda else "(CPU build)")')"
+  echo "[setup] installed $(torch_build)"
+}
+
+# "torch 2.13.0+cpu (CPU build)" / "torch 2.13.0+cu128 (CUDA 12.8 build)" (numpy may not be installed yet: quiet)
+torch_build() {
+  .venv/bin/python -W ignore -c 'import torch; c = torch.version.cuda; print(f"torch {torch.__version__} " + (f"(CUDA {c} build)" if c else "(CPU build)"))' 2>/dev/null
 }
 dev_stamp=$(cat constraints.txt requirements-dev.txt pyproject.toml | sha256sum | cut -c1-16)
 run_stamp=$(cat constraints.txt pyproject.toml | sha256sum | cut -c1-16)
