@@ -34,6 +34,10 @@ def test_a_debias_calibration_of_another_model_type_is_refused(tmp_path, cli):
     data["model_type"] = "llava"  # the same fit declared for this model type is used
     path.write_text(json.dumps(data))
     vtprune.wrap(model, "fastv", keep=0.5, debias=str(path)).remove()
+    data["layers"]["30"] = data["layers"][sorted(data["layers"])[0]]  # a fit of a deeper model of the same type
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"field 'layers.30' is beyond the model's 4 decoder layers"):
+        vtprune.wrap(model, "fastv", keep=0.5, debias=str(path))
 
 
 def _profile(tmp_path, budgets) -> str:

@@ -6,7 +6,8 @@ naming it) with a :class:`~vtprune.errors.UserError` that names the file and the
 ``generate``. Checked: ``format``, ``layers`` (keys are layer indices; ``sigma`` finite with
 ``|sigma| <= MAX_SIGMA``; ``mu`` finite and positive; a ``curve`` with ``x`` strictly increasing in
 ``[0, 1]`` and positive finite ``mean`` values of the same length), ``trend``, ``tau`` and, where the model
-is known, ``model_type`` (a file fitted on another model type is refused, as PrefixKV profiles are).
+is known, ``model_type`` and the deepest layer (a file fitted on another model type or a deeper model is
+refused, as PrefixKV profiles are).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ MAX_SIGMA = 20.0  # exp(20) ~ 5e8 between the first and the last visual token; f
 TRENDS = ("exp", "curve")
 
 
-def load_calibration_json(path: str | Path, form: str, model_type: str | None = None) -> dict[str, Any]:
+def load_calibration_json(path: str | Path, form: str, model_type: str | None = None,
+                          num_layers: int | None = None) -> dict[str, Any]:
     """The checked JSON object of calibration file ``path`` (``form`` is the expected ``format`` value; with
-    ``model_type``, a file fitted on another model type is refused)."""
+    ``model_type`` / ``num_layers``, a file fitted on another model type or a deeper model is refused)."""
     name = str(path)
     file = Path(path)
     if not file.is_file():
@@ -38,16 +40,22 @@ def load_calibration_json(path: str | Path, form: str, model_type: str | None = 
     if not isinstance(data, dict) or data.get("format") != form or "layers" not in data:
         raise UserError(f"{name} is not a vtprune debias calibration file; create one with `vtprune calibrate`.")
     check_calibration(data, name)
-    check_model_type(data, name, model_type)
+    check_model(data, name, model_type, num_layers)
     return data
 
 
-def check_model_type(data: dict[str, Any], name: str, model_type: str | None) -> None:
-    """Refuse a calibration fitted on another model type (its ``model_type`` field, when it has one)."""
+def check_model(data: dict[str, Any], name: str, model_type: str | None, num_layers: int | None = None) -> None:
+    """Refuse a calibration fitted on another model type (its ``model_type`` field, when it has one) or one with
+    layers beyond the model's ``num_layers`` decoder layers (a deeper model of the same type)."""
     fitted = data.get("model_type")
+    fix = "fit one on this model with `vtprune calibrate --model PATH --out FILE`"
     if model_type is not None and fitted is not None and fitted != model_type:
         raise UserError(f"calibration file {name!r}: field 'model_type' is {fitted!r}, but the model is a "
-                        f"{model_type!r}; fit one on this model with `vtprune calibrate --model PATH --out FILE`.")
+                        f"{model_type!r}; {fix}.")
+    deepest = max((int(key) for key in data["layers"]), default=-1)
+    if num_layers is not None and deepest >= num_layers:
+        raise UserError(f"calibration file {name!r}: field 'layers.{deepest}' is beyond the model's {num_layers} "
+                        f"decoder layers (fitted on a deeper model?); {fix}.")
 
 
 def check_calibration(data: dict[str, Any], name: str) -> None:

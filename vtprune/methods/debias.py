@@ -166,10 +166,11 @@ class Debiaser:
         return torch.where(ordinal >= 0, weights, torch.ones_like(weights))
 
 
-def read_calibration(path: str | Path, trend: str | None = None, model_type: str | None = None) -> Debiaser:
+def read_calibration(path: str | Path, trend: str | None = None, model_type: str | None = None,
+                     num_layers: int | None = None) -> Debiaser:
     """A :class:`Debiaser` from a ``vtprune calibrate`` file; ``trend`` (``"exp"``/``"curve"``) overrides its default;
-    with ``model_type``, a file fitted on another model type is refused."""
-    data = load_calibration_json(path, FORMAT, model_type)  # every field checked: UserError naming file and field
+    with ``model_type`` / ``num_layers``, a file fitted on another model type or a deeper model is refused."""
+    data = load_calibration_json(path, FORMAT, model_type, num_layers)  # UserError naming the file and field
     kind = trend or data.get("trend", "exp")
     layers = {}
     for key, entry in data["layers"].items():
@@ -206,11 +207,14 @@ def model_calibration(model: Any) -> Path | None:
 
 def debiaser_for(option: bool | str, model: Any) -> Debiaser:
     """``debias=True``: the model's shipped calibration or the default exponential trend; ``debias=PATH``: that file."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    layers = getattr(getattr(config, "text_config", None) or config, "num_hidden_layers", None)
+    known = {"model_type": model_type, "num_layers": layers if isinstance(layers, int) else None}
     if isinstance(option, str):
-        return read_calibration(option, model_type=model_type)
+        return read_calibration(option, **known)
     shipped = model_calibration(model)
-    return read_calibration(shipped, model_type=model_type) if shipped is not None else Debiaser()
+    return read_calibration(shipped, **known) if shipped is not None else Debiaser()
 
 
 def set_image_sizes(handle: Any, sizes: list[tuple[int, int]] | None) -> None:
