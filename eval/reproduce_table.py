@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from vtprune.eval.reproduce import RELATIVE, PaperRow, Setting, metric
+from vtprune.eval.reproduce_data import RELATIVE, PaperRow, Setting, metric
 
 COLUMNS = ["model", "paper", "method", "keep", "tokens", "benchmark", "paper_value", "measured", "difference",
            "visual_tokens", "kept_tokens", "wall_s", "generate_s", "generate_speedup", "prefill_ms_per_sample",
