@@ -14,6 +14,7 @@ all-ones attention mask.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from vtprune.errors import UserError
@@ -105,6 +106,8 @@ class _Guard:
         functools.update_wrapper(self, wrapped)  # name, docstring and ``__wrapped__`` (inspect.signature)
         self.handle: PruneHandle | None = handle
         self.wrapped = wrapped
+        self.name: str = ""
+        self.previous: Any = None
 
     def __deepcopy__(self, memo: dict) -> _Guard:
         raise TypeError(COPY_MESSAGE)
@@ -148,26 +151,30 @@ class GenerateGuard(_Guard):
             return self.wrapped(*args, **kwargs)
 
 
-def install(handle: PruneHandle) -> list[Any]:
-    """Put the two guards on ``handle.model`` (instance attributes); returns what :func:`uninstall` needs."""
+def install(handle: PruneHandle) -> list[weakref.ref]:
+    """Put the two guards on ``handle.model`` (instance attributes). Returns weak references for :func:`uninstall`:
+    the model holds its guards, the handle does not (nothing of transformers' is reachable from the handle)."""
     model, installed = handle.model, []
     for name, kind in (("forward", ForwardGuard), ("generate", GenerateGuard)):
         if not callable(getattr(model, name, None)):
             continue
-        previous = model.__dict__.get(name)  # an instance attribute already there (accelerate's forward), or None
         guard = kind(handle, getattr(model, name))
+        guard.name, guard.previous = name, model.__dict__.get(name)  # an instance attribute (accelerate's forward)
         object.__setattr__(model, name, guard)
-        installed.append((name, guard, previous))
+        installed.append(weakref.ref(guard))
     return installed
 
 
-def uninstall(handle: PruneHandle, installed: list[Any]) -> None:
+def uninstall(handle: PruneHandle, installed: list[weakref.ref]) -> None:
     """Restore the model's own attributes; a guard that something else wrapped since becomes a pass-through."""
     model = handle.model
-    for name, guard, previous in reversed(installed):
+    for ref in reversed(installed):
+        guard = ref()
+        if guard is None:
+            continue
         guard.handle = None
-        if model.__dict__.get(name) is guard:
-            if previous is None:
-                del model.__dict__[name]
+        if model.__dict__.get(guard.name) is guard:
+            if guard.previous is None:
+                del model.__dict__[guard.name]
             else:
-                model.__dict__[name] = previous
+                model.__dict__[guard.name] = guard.previous
