@@ -16,7 +16,7 @@ README = ROOT / "README.md"
 USER_PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 # Wording about how this project is run, which no user can act on.
 INTERNAL = [r"\bissue[- ]?\d+", r"\bgoal \d+ ?%", r"\blent\b", r"device tool", r"\bcarry: ", r"ship bar",
-            r"maintainers' (own )?machine"]
+            r"maintainers' (own )?machine", r"internal (algorithm )?notes", r"shared/docs"]
 
 
 def test_license_is_the_apache_text_pyproject_declares() -> None:
