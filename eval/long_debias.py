@@ -36,11 +36,30 @@ def binned_trend(curve: dict) -> dict[str, float]:
     return {"binned_sigma": slope, "binned_r2": r2, "last_first_ratio": ratio}
 
 
+def read_fit(path: Path) -> dict:
+    """A ``vtprune calibrate`` file, checked (:func:`load_calibration_json`) and holding what the summary reads:
+    ``method``, ``n_samples`` and, per layer, ``r2`` and a ``curve`` with ``count``; UserError naming the field."""
+    from vtprune.calibration_check import load_calibration_json
+    from vtprune.errors import UserError
+    from vtprune.methods.debias import FORMAT
+
+    data = load_calibration_json(path, FORMAT)
+    fields = ["method", "n_samples"] + [f"layers.{k}.{f}" for k in data["layers"] for f in ("sigma", "r2", "curve")]
+    for field in fields:
+        value = data
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is None or (field.endswith("curve") and "count" not in value):
+            raise UserError(f"calibration file {str(path)!r}: field {field!r} is missing or incomplete; long_debias "
+                            "summarises files written by `vtprune calibrate`.")
+    return data
+
+
 def summary_rows(paths: list[Path]) -> list[dict]:
     """One row per file x scoring layer."""
     rows = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_fit(path)
         for layer, entry in sorted(data["layers"].items(), key=lambda kv: int(kv[0])):
             rows.append({"file": Path(path).name, "model": data.get("model", ""), "data": data.get("data", "calib images"),
                          "method": data["method"], "score_layer": int(layer), "n_samples": data["n_samples"],
@@ -68,11 +87,26 @@ def write_curve_copy(path: Path, folder: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vtprune.eval.long_debias", description=__doc__.split("\n\n")[0])
+    """Print (and write) the summary; a bad file or path is one ``error:`` line and exit status 2."""
+    from vtprune.cli import run_reporting_errors
+    from vtprune.cli.checks import OneLineParser
+
+    parser = OneLineParser(prog="python -m vtprune.eval.long_debias", description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path, help="calibration JSON files")
     parser.add_argument("--out", type=Path, default=None, help="Markdown file (default: print)")
     parser.add_argument("--curve", type=Path, default=None, help="folder for the trend=curve copies")
     args = parser.parse_args(argv)
+    return run_reporting_errors(lambda: summarise(args), "long_debias")
+
+
+def summarise(args: argparse.Namespace) -> int:
+    """The work of :func:`main` on parsed arguments."""
+    from vtprune.cli.checks import check_output_dir, check_output_file
+
+    if args.out:
+        check_output_file(args.out)
+    if args.curve:
+        check_output_dir(args.curve, "--curve")
     text = markdown(summary_rows(args.files))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -230,3 +230,16 @@ def test_run_reports_the_keep_of_a_kv_retention_method(cli):
                          "--json")
     assert code == 0, err
     assert json.loads(out)["keep"] == 0.5  # was 1.0: prefixkv has no stages, but every layer keeps 0.5 on average
+
+
+def test_long_debias_names_a_missing_file_or_field(tmp_path, capsys):
+    from vtprune.eval.long_debias import main
+
+    assert main([str(tmp_path / "missing.json")]) == 2
+    assert "missing.json' does not exist" in capsys.readouterr().err
+    thin = tmp_path / "thin.json"
+    thin.write_text(json.dumps({"format": "vtprune-debias-calibration", "layers": {"1": {"sigma": 1.0}}}))
+    assert main([str(thin)]) == 2
+    err = capsys.readouterr().err
+    assert "thin.json': field 'method' is missing" in err and _one_line(err), err
+    assert main(["docs/results/long-debias/llava-8img-fastv.json"]) == 0
