@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vtprune.errors import UserError
+from vtprune.errors import UserError, install_extra
 from vtprune.vllm.settings import VllmPruning, check_architecture
 
 DEFAULT_MODEL = "embedded:llava"
@@ -47,7 +47,7 @@ def vllm_python() -> str:
     if VENV_PYTHON.exists():
         return str(VENV_PYTHON)
     raise UserError("vLLM is not installed: run `bash scripts/setup_vllm.sh` (CPU, its own venv) or "
-                    "`pip install 'vtprune[vllm]'` (GPU), then `vtprune serve` again.")
+                    f"`{install_extra('vllm')}` (GPU), then `vtprune serve` again.")
 
 
 def architecture_of(folder: str) -> str | None:
