@@ -85,7 +85,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
         check_load(_optional_str(load.get("pretrained")), _optional_str(load.get("device")),
                    str(load.get("attn_implementation", "sdpa")), dtype)
     except UserError as error:  # vtprune's loader names the CLI's --model; here the value came from pretrained=
-        raise UserError(str(error).replace("--model ", "pretrained=")) from error
+        raise UserError(str(error).replace("--model ", "pretrained=")) from None  # one message, not two
     return PluginArgs(
         prune=prune, pretrained=_optional_str(load.get("pretrained")),
         attn_implementation=str(load.get("attn_implementation", "sdpa")), dtype=dtype,
