@@ -20,11 +20,19 @@ from vtprune.errors import UserError, install_extra
 from vtprune.vllm.settings import VllmPruning, check_architecture
 
 DEFAULT_MODEL = "embedded:llava"
+EPILOG = """\
+examples:
+  vtprune serve                                          the embedded LLaVA, divprune keep 0.25, port 8000
+  vtprune serve embedded:qwen2_vl --keep 0.5 --trust-request-mm-kwargs    clients may send vtprune_keep
+  vtprune serve llava-hf/llava-1.5-7b-hf --dtype float16 --tensor-parallel-size 8     vLLM options pass through
+needs vLLM: pip install -c constraints.txt -e ".[vllm]" (GPU, in the clone) or bash scripts/setup_vllm.sh (CPU); see
+docs/serving.md."""
 VENV_PYTHON = Path.home() / ".cache" / "vtprune" / "venv-vllm-0.32.0" / "bin" / "python"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="start vLLM's OpenAI-compatible server with pre-LLM pruning")
+    serve = subparsers.add_parser("serve", help="start vLLM's OpenAI-compatible server with pre-LLM pruning",
+                                  epilog=EPILOG)
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="embedded:llava, embedded:qwen2_vl, a model folder or a Hub id (LLaVA-1.5, Qwen2-VL, "
                             "Qwen2.5-VL)")
@@ -51,11 +59,16 @@ def vllm_python() -> str:
 
 
 def architecture_of(folder: str) -> str | None:
-    """``architectures[0]`` of a local model folder's config.json (``None`` for a Hub id)."""
+    """``architectures[0]`` of a model folder's (or Hub id's) config, ``None`` if it cannot be read."""
     config = Path(folder) / "config.json"
-    if not config.is_file():
+    if config.is_file():
+        return (json.loads(config.read_text()).get("architectures") or [None])[0]
+    try:  # a Hub id: its config (downloaded or cached)
+        from transformers import AutoConfig
+
+        return (AutoConfig.from_pretrained(folder).architectures or [None])[0]
+    except Exception:  # offline or unknown: vLLM reports it
         return None
-    return (json.loads(config.read_text()).get("architectures") or [None])[0]
 
 
 def server_command(args: argparse.Namespace, python: str) -> list[str]:

@@ -1,0 +1,182 @@
+"""The vLLM plugin's pure parts in the main venv (no vLLM here): settings, selection, positions, export, serve.
+
+The engine tests live in tests/vllm and run in the vLLM venv (test.sh); this file checks they stay wired in.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vtprune.vllm import settings
+from vtprune.vllm.positions import fill_chunk, prompt_positions
+from vtprune.vllm.select import grid_offsets, kept_count, select_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_importing_the_plugin_imports_no_vllm():
+    code = "import sys, vtprune, vtprune.vllm, vtprune.vllm.serve; print('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+def test_engine_tests_stay_wired_into_ci():
+    assert (ROOT / "tests" / "vllm" / "test_qwen.py").exists()
+    script = (ROOT / "test.sh").read_text()
+    assert "scripts/setup_vllm.sh" in script and "tests/vllm" in script
+
+
+@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "dart", "prefixkv"])
+def test_layer_wise_methods_refused_in_one_line(method):
+    with pytest.raises(ValueError, match="prunes inside the language model.*methods that work in vLLM: divprune, "
+                                         "random") as error:
+        settings.check_method(method)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("raw, match", [({"keep": 0}, r"outside \(0, 1\]"), ({"keep": 1.5}, r"outside \(0, 1\]"),
+                                        ({"keep": "x"}, "not a number"), ({"method": "fastv+debias"}, "inside the LM|"
+                                        "prunes inside"), ({"method": "divprune+debias"}, r"\+debias"),
+                                        ({"method": "visionzip"}, "not available in the vLLM plugin yet"),
+                                        ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting")])
+def test_bad_settings_refused(raw, match):
+    with pytest.raises(ValueError, match=match):
+        settings.VllmPruning.from_dict(raw)
+
+
+def test_architectures_and_versions():
+    assert settings.check_architecture("Qwen2VLForConditionalGeneration") == "VtpruneQwen2VLForConditionalGeneration"
+    with pytest.raises(ValueError, match="LlavaNextForConditionalGeneration.*not supported in vLLM"):
+        settings.check_architecture("LlavaNextForConditionalGeneration")
+    assert settings.check_vllm_version("0.32.0") == "0.32.0"
+    for version in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(ValueError, match="outside the tested range"):
+            settings.check_vllm_version(version)
+
+
+def lm_inputs(family: str):
+    """The unwrapped embedded model's LLM-input embeddings of one test image's visual tokens ``[n, D]``."""
+    from vtprune.eval.shapes import make_split
+
+    from vtprune.models.loading import load
+
+    model, processor = load(f"embedded:{family}")[:2]
+    sample = make_split("test", 1, offset=3)[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is it?"}]}]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = processor(images=sample.image, text=text, return_tensors="pt")
+    grabbed = {}
+
+    def grab(module, args, kwargs):
+        grabbed["embeds"] = kwargs["inputs_embeds"]
+
+    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    token = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
+    visual = inputs["input_ids"][0] == token
+    return model, inputs, grabbed["embeds"][0, visual]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("method", ["divprune", "random"])
+def test_selection_equals_transformers_path(family, method):
+    import vtprune
+
+    model, inputs, embeddings = lm_inputs(family)
+    options = {"layer": 0} if method == "random" else {}  # in vLLM every method runs before the LLM
+    handle = vtprune.wrap(model, method, keep=0.25, **options)
+    with torch.no_grad():
+        model(**inputs)
+    want = handle.last_stats.kept_indices[-1][0]
+    handle.remove()
+    assert select_rows(method, embeddings, 0.25).tolist() == want
+
+
+def test_selection_is_a_pure_function_of_inputs_and_seed():
+    embeddings = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    first = select_rows("divprune", embeddings, 0.25)
+    torch.manual_seed(123)
+    assert torch.equal(select_rows("divprune", embeddings.clone(), 0.25), first)
+    assert torch.equal(select_rows("random", embeddings, 0.25, seed=3), select_rows("random", embeddings * 2, 0.25,
+                                                                                     seed=3))
+    assert not torch.equal(select_rows("random", embeddings, 0.25, seed=3), select_rows("random", embeddings, 0.25))
+    assert select_rows("divprune", embeddings, 0.25, frames=4).numel() == kept_count(0.25, 64, 4) == 16
+
+
+def unpruned_positions(text_before: int, grid: tuple[int, int, int], text_after: int) -> torch.Tensor:
+    """Qwen2-VL's unpruned positions, written out by hand: ``[3, L]``."""
+    t, h, w = grid
+    rows = [[i, i, i] for i in range(text_before)]
+    rows += [[text_before + a, text_before + b, text_before + c] for a in range(t) for b in range(h) for c in range(w)]
+    start = text_before + max(t, h, w)
+    rows += [[start + i] * 3 for i in range(text_after)]
+    return torch.tensor(rows).T
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 64])
+def test_positions_equal_the_unpruned_ones_at_the_kept_tokens_for_any_chunking(chunk):
+    grid, before, after = (1, 3, 5), 3, 4
+    kept = torch.tensor([0, 4, 7, 11, 14])
+    full = unpruned_positions(before, grid, after)
+    keep_columns = torch.cat([torch.arange(before), before + kept, before + 15 + torch.arange(after)])
+    want = full[:, keep_columns]
+    length = before + len(kept) + after
+    positions, delta = prompt_positions(length, [(before, len(kept), max(grid))])
+    media = torch.zeros(length, dtype=torch.bool)
+    media[before:before + len(kept)] = True
+    offsets = grid_offsets(grid)[kept]
+    for start in range(0, length, chunk):  # vLLM passes the slice of the item inside each chunk
+        lo, hi = max(start, before), min(start + chunk, before + len(kept))
+        slices = [offsets[lo - before:hi - before]] if lo < hi else []
+        positions = fill_chunk(positions, media, slices, start)
+    assert torch.equal(positions, want)
+    assert delta == int(want.max()) + 1 - length
+
+
+def test_exported_llava_loads_to_an_identical_state_dict(tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    from vtprune.models.embedded import embedded_model_path
+    from vtprune.vllm.export import export_embedded, llava_hf_names
+
+    folder = export_embedded("llava", root=tmp_path)
+    assert export_embedded("llava", root=tmp_path) == folder  # cached
+    original = LlavaForConditionalGeneration.from_pretrained(embedded_model_path("llava")).state_dict()
+    exported = LlavaForConditionalGeneration.from_pretrained(folder).state_dict()
+    assert original.keys() == exported.keys()
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert llava_hf_names(["vision_tower.embeddings.x", "language_model.y"]) == {
+        "vision_tower.embeddings.x": "vision_tower.vision_model.embeddings.x", "language_model.y": "language_model.y"}
+
+
+def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
+    import vtprune.vllm.serve as serve
+
+    code, _, err = cli("serve", "--method", "fastv")
+    assert code == 2 and "prunes inside the language model" in err and err.count("\n") == 1
+    code, _, err = cli("serve", "--keep", "0")
+    assert code == 2 and "outside (0, 1]" in err
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaNextForConditionalGeneration"]}))
+    code, _, err = cli("serve", str(tmp_path), "--dry-run")
+    assert code == 2 and "not supported in vLLM" in err
+    monkeypatch.delenv("VTPRUNE_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(serve, "VENV_PYTHON", tmp_path / "missing" / "python")
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+    code, _, err = cli("serve")
+    assert code == 2 and "bash scripts/setup_vllm.sh" in err and err.count("\n") == 1
+
+
+def test_serve_command_line(cli):
+    code, out, _ = cli("serve", "embedded:qwen2_vl", "--keep", "0.5", "--dry-run", "--max-num-seqs", "4")
+    assert code == 0
+    assert "vllm.entrypoints.openai.api_server" in out and "--max-num-seqs 4" in out and "--dtype float32" in out
+    overrides = json.loads(out.split("--hf-overrides ")[1].split(" --host")[0])
+    assert overrides == {"vtprune": {"method": "divprune", "keep": 0.5, "seed": 0},
+                         "architectures": ["VtpruneQwen2VLForConditionalGeneration"]}

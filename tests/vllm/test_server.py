@@ -1,0 +1,102 @@
+"""`vtprune serve` end to end: vLLM's OpenAI server on 127.0.0.1 with the plugin, base64 images, bounded requests;
+and a bad setting refused when an engine starts."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import reference
+from conftest import make_llm
+
+REQUESTS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise AssertionError(f"HTTP {error.code}: {error.read().decode()[:500]}") from None
+
+
+def data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = dict(os.environ, VTPRUNE_VLLM_PYTHON=sys.executable)
+    process = subprocess.Popen([sys.executable, "-m", "vtprune", "serve", "embedded:qwen2_vl", "--method", "divprune",
+                                "--keep", "0.25", "--port", str(port), "--max-num-seqs", "4",
+                                "--trust-request-mm-kwargs"],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vtprune serve exited with {process.returncode} before the server answered")
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+                    model = json.loads(response.read())["data"][0]["id"]
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("the server did not answer within 300 s")
+                time.sleep(2)
+        yield base, model
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_openai_server_answers_as_transformers_path(server, items):
+    base, model_name = server
+    model, processor = reference.load("qwen2_vl")
+    chosen = items[:REQUESTS]
+    for keep in (0.25, 1.0):
+        method = "divprune" if keep < 1 else None
+        want = [processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
+                for ids, _ in reference.answers(model, processor, chosen, method, keep)]
+        got = []
+        for image, question in chosen:
+            body = {"model": model_name, "max_tokens": 4, "temperature": 0.0,
+                    "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(image)}},
+                        {"type": "text", "text": question}]}]}
+            if keep == 1.0:
+                body["mm_processor_kwargs"] = {"vtprune_keep": 1.0}
+            got.append(post(base + "/v1/chat/completions", body)["choices"][0]["message"]["content"].strip())
+        assert got == want, keep
+
+
+def test_layer_wise_method_refused_at_start(capfd):
+    with pytest.raises(Exception) as error:
+        make_llm("qwen2_vl", method="fastv")
+    output = str(error.value) + "".join(capfd.readouterr())
+    assert "method 'fastv' prunes inside the language model" in output
+    assert "methods that work in vLLM: divprune, random" in output
