@@ -72,6 +72,14 @@ def test_missing_extra_messages_give_the_command_that_works_from_a_clone() -> No
     assert install_extra("demo").startswith('pip install -c constraints.txt -e ".[demo]"')
 
 
+@pytest.mark.parametrize("page", USER_PAGES, ids=[str(p.relative_to(ROOT)) for p in USER_PAGES])
+def test_relative_links_of_user_pages_resolve(page: Path) -> None:
+    links = [link for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text())
+             if not link.startswith(("http://", "https://", "#", "mailto:"))]
+    missing = [link for link in links if not (page.parent / link.split("#")[0]).exists()]
+    assert not missing, f"{page.relative_to(ROOT)}: {missing}"
+
+
 def test_first_screen_says_what_was_measured_on_what_before_any_table() -> None:
     """Before the first table: what vtprune is, the install line, the example, and the measured-on-what line."""
     first = README.read_text().split("\n|", 1)[0]
