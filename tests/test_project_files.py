@@ -86,3 +86,22 @@ def test_first_screen_says_what_was_measured_on_what_before_any_table() -> None:
     assert "Nothing has run on a real 7B checkpoint or on a GPU" in first
     assert "pip install -c constraints.txt -e ." in first and "./quickstart.sh" in first
     assert "<!-- embedded-example -->" in first and "docs/reproduce.md" in first
+
+
+def test_quickstart_summary_reads_the_bench_csv(tmp_path: Path, monkeypatch) -> None:
+    """quickstart.sh prints its own table from bench.csv (the columns it reads exist; no timing column)."""
+    import subprocess
+    import sys
+
+    from vtprune.cli import main
+
+    script = (ROOT / "quickstart.sh").read_text()
+    code = script.split(".venv/bin/python - <<'EOF'\n", 1)[1].split("\nEOF\n", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--images", "2", "--methods", "none,fastv", "--keep", "1,0.25", "--timing-samples", "1",
+                 "--repeats", "1", "--out", "runs/quickstart"]) == 0
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("| method | keep | visual tokens kept | accuracy |") and "ms" not in lines[0]
+    assert any(line.startswith("| fastv | 0.25 | 4 of 16 |") for line in lines), out
+
