@@ -38,6 +38,7 @@ def cache_problem(cache: Any) -> str | None:
     which only that holds."""
     if cache is None:
         return None
+    # Lazy: ``import vtprune`` does not load transformers (3.4 s cold here); a cache exists only once it is loaded.
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if type(cache) is not DynamicCache:
