@@ -11,7 +11,7 @@ import torch
 import vtprune
 from vtprune.config import PruneConfig
 from vtprune.errors import UserError
-from vtprune.models.tiny import random_image, tiny_model
+from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
 SHIPPED_QWEN = "vtprune/models/vtprune-qwen2vl-shapes/calibration.json"
 
@@ -92,6 +92,20 @@ def test_wrap_refuses_bad_schedules_layers_and_keeps(options, words):
     ("prefixkv", {"query_rows": True}, "query_rows=True must be a positive int"),
     ("prefixkv", {"start": True}, "start=True must be an int >= 0"),
     ("prefixkv", {"distance": 1.5}, "distance=1.5 must be an int"),
+    ("random", {"seed": 1.5}, "seed=1.5 must be an int"),
+    ("random", {"seed": "abc"}, "seed='abc' must be an int"),
+    ("transprune", {"abs_cos": "no"}, "abs_cos='no' must be True or False"),
+    ("transprune", {"alpha": True}, "alpha=True must be a finite number in [0, 1]"),
+    ("vflowopt", {"r1": True}, "r1=True must be a finite number in (0, 1]"),
+    ("vflowopt", {"threshold": float("nan")}, "threshold=nan must be a finite number >= 0"),
+    ("vflowopt", {"alpha": "abc"}, "alpha='abc' must be a finite number (weight"),
+    ("vflowopt", {"cell": float("nan")}, "cell=nan must be a finite number > 0"),
+    ("vflowopt", {"recycle": "false"}, "recycle='false' must be True or False"),
+    ("vflowopt", {"image_mean": "abc"}, "image_mean='abc' must be three numbers"),
+    ("vflowopt", {"image_std": [0.2, 0.0, 0.2]}, "image_std[1]=0.0 must be a finite number > 0"),
+    ("temporal", {"retain": True}, "retain=True must be a finite number in (0, 1]"),
+    ("temporal", {"then": "fastv", "then_options": 3}, "then_options=3 must be a dict"),
+    ("visionzip", {"queries": 100}, "queries=100 samples the queries of a Qwen-VL tower's map"),
 ])
 def test_method_options_are_not_truncated_or_taken_from_bools(method, options, words):
     model, _ = tiny_model("llava")
@@ -243,3 +257,14 @@ def test_long_debias_names_a_missing_file_or_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "thin.json': field 'method' is missing" in err and _one_line(err), err
     assert main(["docs/results/long-debias/llava-8img-fastv.json"]) == 0
+
+
+def test_prefixkv_query_rows_beyond_the_prompt_are_every_row():
+    model, processor = tiny_model("llava")
+    inputs = tiny_inputs(processor, "llava", [("what color is the circle?", [random_image(64, 64, 1)])])
+    kept = []
+    for rows in (None, 10**9):  # 10**9 rows used to allocate 10**9 query positions
+        with vtprune.apply(model, "prefixkv", keep=0.5, query_rows=rows) as handle, torch.no_grad():
+            model(**inputs)
+            kept.append(handle.last_stats.kept_indices)
+    assert kept[0] == kept[1]

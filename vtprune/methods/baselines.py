@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from vtprune.config import Stage
+from vtprune.methods import options
 from vtprune.methods.base import Scorer
 from vtprune.methods.registry import register_method
 from vtprune.scoring import ScoreContext
@@ -40,6 +41,9 @@ class RandomPruning(Scorer):
 
     name: ClassVar[str] = "random"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        options.integer(self.seed, "seed")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         table = random_values(max(ctx.visual_counts, default=0) + 1, self.seed, ctx.stage.layer).to(ctx.valid.device)

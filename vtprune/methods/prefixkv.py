@@ -97,8 +97,10 @@ class PrefixKV(Scorer):
         return ()  # no sequence pruning: the hidden states keep every token
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
-        """Priority ``[B, L]`` of every cached key of this layer (attention received over the query rows)."""
-        return ctx.received_attention(self.query_rows)
+        """Priority ``[B, L]`` of every cached key of this layer (attention received over the query rows; every row
+        when ``query_rows`` reaches the prompt's length)."""
+        rows = self.query_rows
+        return ctx.received_attention(None if rows is not None and rows >= ctx.valid.shape[1] else rows)
 
 
 def _not_int(value: object) -> bool:

@@ -27,7 +27,7 @@ import torch
 
 from vtprune.adapters.base import VisualSegment
 from vtprune.config import Stage
-from vtprune.methods import lm_inputs
+from vtprune.methods import lm_inputs, options
 from vtprune.methods.base import Capture, Scorer, merge_step
 from vtprune.methods.per_frame import PerFrame
 from vtprune.methods.registry import register_method, resolve
@@ -91,9 +91,10 @@ class Temporal(Scorer):
     frame_budget: str = "per_frame"
 
     def __post_init__(self) -> None:
-        if not 0.0 < float(self.retain) <= 1.0:
-            raise ValueError(f"retain={self.retain!r} (the fraction the temporal stage keeps before then=) "
-                             "must be in (0, 1].")
+        options.number(self.retain, "retain", 0.0, 1.0, low_open=True,
+                       hint=" (the fraction the temporal stage keeps before then=)")
+        if self.then_options is not None and not isinstance(self.then_options, dict):
+            raise ValueError(f"then_options={self.then_options!r} must be a dict of options of the then= method.")
         if self.frame_budget not in ("per_frame", "global"):
             raise ValueError(f"frame_budget={self.frame_budget!r}: use 'per_frame' or 'global'.")
         if self.then is not None:

@@ -73,6 +73,9 @@ def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = 
         return (Capture(adapter.vision_tower, _grab_grid(key), before=True, outside_forward=True),
                 Capture(adapter.vit_blocks[index], _grab_qwen(adapter, key, queries), before=True,
                         outside_forward=True))
+    if queries != "auto" and queries != "all":
+        raise ValueError(f"queries={queries!r} samples the queries of a Qwen-VL tower's map; "
+                         f"{adapter.config.model_type}'s crops (at most 729 patches) always use every query: drop it.")
     cls = has_cls and query != "mean"
     return (Capture(vit.encoder_layers(adapter)[index], _grab_clip(adapter, key, cls), before=True, outside_forward=True),)
 

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from vtprune.config import Stage, stage_layer
-from vtprune.methods import schedules
+from vtprune.methods import options, schedules
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.functional import normalise_alive, ttv, ttv_terms
 from vtprune.methods.registry import register_method
@@ -50,6 +50,9 @@ class TokenTransitionVariation(Scorer):
     release: ClassVar[ReleaseRule] = ReleaseRule(count="truncate", positions="compact", source="liaolea/TransPrune")
     abs_cos: bool = False
     ttv_start: int | None = None
+
+    def __post_init__(self) -> None:
+        options.flag(self.abs_cos, "abs_cos")
 
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
         return schedules.transprune(num_layers, keep)
@@ -124,8 +127,8 @@ class TransPrune(TokenTransitionVariation):
     alpha: float = 0.5
 
     def __post_init__(self) -> None:
-        if not 0.0 <= float(self.alpha) <= 1.0:
-            raise ValueError(f"alpha={self.alpha!r} must be in [0, 1] (weight of TTV against IGA; paper: 0.5).")
+        super().__post_init__()
+        options.number(self.alpha, "alpha", 0.0, 1.0, hint=" (weight of TTV against IGA; paper: 0.5)")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         alive = ctx.visual & ctx.valid

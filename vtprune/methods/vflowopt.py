@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from vtprune.config import Stage, stage_layer
-from vtprune.methods import qwen_vit, schedules, vit
+from vtprune.methods import options, qwen_vit, schedules, vit
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.entropy import denormalize, entropy_weights, patch_entropy
 from vtprune.methods.functional import lowest_kept, recycle
@@ -69,11 +69,24 @@ class VFlowOpt(Scorer):
 
     def __post_init__(self) -> None:
         for name in ("budget", "r1", "r2", "r3"):
+            if getattr(self, name) is not None:
+                options.number(getattr(self, name), name, 0.0, 1.0, low_open=True)
+        if self.cell is not None:
+            options.number(self.cell, "cell", 0.0, low_open=True, hint=" (grid-cell side a, in tokens)")
+        if self.threshold is not None:
+            options.number(self.threshold, "threshold", 0.0, hint=" (received attention above which a token's row "
+                           "counts; None: the release's 35 scaled to the tower)")
+        options.number(self.alpha, "alpha", hint=" (weight of the entropy term; released configs: 0)")
+        options.flag(self.recycle, "recycle")
+        for name in ("image_mean", "image_std"):
             value = getattr(self, name)
-            if value is not None and not 0.0 < float(value) <= 1.0:
-                raise ValueError(f"{name}={value!r} must be in (0, 1].")
-        if self.cell is not None and float(self.cell) <= 0:
-            raise ValueError(f"cell={self.cell!r} (grid-cell side a, in tokens) must be > 0.")
+            if value is None:
+                continue
+            if not isinstance(value, list | tuple) or len(value) != 3:
+                raise ValueError(f"{name}={value!r} must be three numbers (one per RGB channel), e.g. "
+                                 "[0.481, 0.458, 0.408].")
+            for i, v in enumerate(value):
+                options.number(v, f"{name}[{i}]", 0.0, low_open=name == "image_std")
 
     # -- schedule ------------------------------------------------------------------------------------------
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
