@@ -179,3 +179,25 @@ def test_an_interrupt_inside_a_forward_releases_the_model_for_other_threads():
     again = _generate(model, request)
     assert torch.equal(again[0], expected[0])
     torch.testing.assert_close(again[1], expected[1], atol=0, rtol=0)
+
+
+def test_an_interrupt_inside_the_model_pre_hook_releases_the_lock(monkeypatch):
+    model, _ = _model()
+    inputs = _inputs()
+    with vtprune.apply(model, "fastv", keep=0.4) as handle, torch.no_grad():
+        expected = model(**inputs).logits
+
+        def interrupt(ids):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(handle.adapter, "visual_mask", interrupt)  # raised after the frame and lock are taken
+        with pytest.raises(KeyboardInterrupt):
+            model(**inputs)
+        monkeypatch.undo()
+        assert not handle.calls.frames
+        got = {}
+        other = threading.Thread(target=lambda: got.setdefault("logits", model(**inputs).logits), daemon=True)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), "the model lock is still held"
+    torch.testing.assert_close(got["logits"], expected, atol=0, rtol=0, equal_nan=True)
