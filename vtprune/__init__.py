@@ -8,18 +8,49 @@
 >>> handle.remove()                                            # doctest: +SKIP
 """
 
-from typing import Any
+from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from vtprune.api import apply, wrap
-from vtprune.config import PruneConfig, Stage, keep_count
-from vtprune.engine import PruneHandle
-from vtprune.methods import Capture, Scorer, list_methods, register_method, resolve
-from vtprune.scoring import ScoreContext
-from vtprune.state import CallStats, StageRecord
+if TYPE_CHECKING:
+    import torch
+
+    from vtprune.api import apply, wrap
+    from vtprune.config import PruneConfig, Stage, keep_count
+    from vtprune.engine import PruneHandle
+    from vtprune.methods import Capture, Scorer, list_methods, register_method, resolve
+    from vtprune.scoring import ScoreContext
+    from vtprune.state import CallStats, StageRecord
 
 __version__ = "0.1.0"
+
+# The public names, imported on first use (PEP 562): `import vtprune` imports no torch, so the command line
+# answers --help without it. `vtprune.wrap`, `from vtprune import wrap` and `vtprune.engine` work as before.
+_PUBLIC = {"apply": "api", "wrap": "api", "PruneConfig": "config", "Stage": "config", "keep_count": "config",
+           "PruneHandle": "engine", "Capture": "methods", "Scorer": "methods", "list_methods": "methods",
+           "register_method": "methods", "resolve": "methods", "ScoreContext": "scoring", "CallStats": "state",
+           "StageRecord": "state"}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (imported from its module on first use) or a submodule (``vtprune.engine``)."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'vtprune' has no attribute {name!r}")
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"vtprune.{_PUBLIC[name]}"), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"vtprune.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"vtprune.{name}":
+            raise
+        raise AttributeError(f"module 'vtprune' has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
 
 
 def load(spec: str | None = None, *, device: str | None = None, dtype: str | torch.dtype = "float32",
@@ -41,6 +72,8 @@ def load(spec: str | None = None, *, device: str | None = None, dtype: str | tor
     """
     # Imported here, not at the top: the library must not import the applications (vtprune.models pulls the
     # embedded-model files, the hub client and transformers' auto classes), and `import vtprune` stays cheap.
+    import torch
+
     from vtprune.models.loading import load as load_model
 
     if isinstance(dtype, torch.dtype):

@@ -1,18 +1,19 @@
 """The ``vtprune`` command line: ``run``, ``info`` and the subcommands other modules register.
 
-Subcommand modules expose ``register(subparsers)`` and are imported lazily-cheap (no torch at import).
+Subcommand modules expose ``register(subparsers)``; :data:`vtprune.cli.commands.COMMANDS` names them, and a
+module is imported only when its command is chosen (``vtprune --help`` imports no torch).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
 from collections.abc import Callable
 
 from vtprune.cli.checks import OneLineParser, check_question, int_range, model_type_of
+from vtprune.cli.commands import add_commands
 from vtprune.cli.help import apply_help
 from vtprune.cli.options import (
     add_pruning_arguments,
@@ -27,16 +28,6 @@ from vtprune.errors import UserError, install_extra
 MAX_SAMPLE = 9_999
 OPTIONAL_PACKAGES = {"optuna": "bench", "matplotlib": "bench", "gradio": "demo", "av": "video", "decord": "video",
                      "cv2": "video", "lmms_eval": "eval", "accelerate": "eval"}
-
-COMMAND_MODULES = (
-    "vtprune.cli",
-    "vtprune.cli.sample",
-    "vtprune.eval.bench",
-    "vtprune.eval.calibrate_cli",
-    "vtprune.eval.tune",
-    "vtprune.eval.demo_cli",
-    "vtprune.vllm.serve",
-)
 
 
 def wrap_options(args: argparse.Namespace) -> dict:
@@ -187,16 +178,10 @@ def command_info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``vtprune`` parser; a command's module is imported when the command is chosen (or its parser read),
+    so ``vtprune --help`` imports no torch (:mod:`vtprune.cli.commands`)."""
     parser = OneLineParser(prog="vtprune")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name != name:
-                raise
-            continue
-        module.register(subparsers)
+    add_commands(parser)
     apply_help(parser)
     return parser
 

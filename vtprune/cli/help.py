@@ -86,7 +86,12 @@ def apply_help(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.epilog = EPILOGS[""]
     for action in parser._subparsers._group_actions if parser._subparsers else ():
-        for name, sub in action.choices.items():
-            sub.formatter_class = HelpFormatter
-            if name in EPILOGS:
-                sub.epilog = EPILOGS[name]
+        for name, sub in dict.items(action.choices):  # as registered: a lazy command is styled when it loads
+            style_command(name, sub)
+
+
+def style_command(name: str, sub: argparse.ArgumentParser) -> None:
+    """The formatter and the examples of subcommand ``name``."""
+    sub.formatter_class = HelpFormatter
+    if name in EPILOGS:
+        sub.epilog = EPILOGS[name]
