@@ -52,19 +52,21 @@ def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[st
                                                                                    kv[0].method, -kv[0].keep))}
 
 
-def model_args(setting: Setting, dry_run: bool, batch_size: int) -> str:
-    """``--model_args`` of a run (the dry run: the embedded model on CPU, one thread)."""
+def model_args(setting: Setting, dry_run: bool, batch_size: int, checkpoints: dict[str, str] | None = None) -> str:
+    """``--model_args`` of a run (the dry run: the embedded model on CPU, one thread); ``checkpoints`` maps a
+    model key to a local folder that replaces its hub id (an offline GPU machine)."""
     model = MODELS[setting.model]
     common = f"method={setting.method},keep={setting.keep:g},batch_size={batch_size}"
     if dry_run:
         return f"pretrained={model.dry_pretrained},{common},device=cpu,threads=1"
-    return f"pretrained={model.pretrained},{common},{model.args}"
+    return f"pretrained={(checkpoints or {}).get(setting.model, model.pretrained)},{common},{model.args}"
 
 
 def lmms_argv(setting: Setting, tasks: list[str], out: Path, dry_run: bool, batch_size: int,
-              limit: int | None, include_path: Path | None) -> list[str]:
+              limit: int | None, include_path: Path | None, checkpoints: dict[str, str] | None = None) -> list[str]:
     """The lmms-eval arguments of one run (after ``python -m lmms_eval``)."""
-    argv = ["--model", MODELS[setting.model].lmms_model, "--model_args", model_args(setting, dry_run, batch_size),
+    argv = ["--model", MODELS[setting.model].lmms_model,
+            "--model_args", model_args(setting, dry_run, batch_size, checkpoints),
             "--tasks", ",".join([DRY_TASK] if dry_run else tasks), "--output_path", str(out)]
     if include_path is not None:
         argv += ["--include_path", str(include_path)]
@@ -114,7 +116,8 @@ def execute(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[Se
     done: dict[Setting, dict[str, Any]] = {}
     for number, (setting, tasks) in enumerate(runs.items(), start=1):
         out = args.out / "runs" / setting.name
-        argv = lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, include_path)
+        argv = lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, include_path,
+                         args.checkpoints)
         timing = out / "wall_s.json"
         previous = results_file(out)
         if previous is not None and timing.exists() and not args.dry_run:
@@ -154,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="documents per task (default: all; the dry run: 12)")
     parser.add_argument("--print-commands", action="store_true", help="print the lmms-eval commands and stop")
     parser.add_argument("--papers", type=Path, default=PAPERS_CSV, help="the papers' numbers (CSV)")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=FOLDER",
+                        help="a local copy of a model's checkpoint instead of its hub id, e.g. "
+                        "llava-1.5-7b=/data/llava-1.5-7b-hf (repeatable)")
     return parser
 
 
@@ -164,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batch-size and --limit must be at least 1.")
     if args.dry_run and args.limit is None:
         args.limit = 12
+    args.checkpoints = {}
+    for item in args.checkpoint:
+        key, _, folder = item.partition("=")
+        if key not in MODELS or not folder:
+            parser.error(f"--checkpoint {item!r}: give MODEL=FOLDER with MODEL one of {', '.join(MODELS)}.")
+        if not Path(folder, "config.json").is_file():
+            parser.error(f"--checkpoint {item!r}: {folder} holds no config.json; give a saved checkpoint folder.")
+        args.checkpoints[key] = folder
     rows = load_papers(args.papers)
     models = args.models.split(",") if args.models else None
     unknown = sorted(set(models or []) - set(MODELS))
@@ -176,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         for setting, tasks in runs.items():
             out = args.out / "runs" / setting.name
             print(shlex.join([*shlex.split(args.launcher), "-m", "lmms_eval",
-                              *lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, None)]))
+                              *lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, None,
+                                         args.checkpoints)]))
         return 0
     from vtprune.eval import reproduce_table
 

@@ -52,6 +52,18 @@ def test_metrics_are_on_the_papers_scale_and_relative_scores_use_the_same_model(
     assert measured(row, runs, False) == pytest.approx(50.0)
 
 
+def test_a_local_checkpoint_replaces_the_hub_id(tmp_path: Path, capsys) -> None:
+    (tmp_path / "llava").mkdir()
+    (tmp_path / "llava" / "config.json").write_text("{}")
+    assert reproduce.main(["--print-commands", "--models", "llava-1.5-7b", "--methods", "dart",
+                           "--checkpoint", f"llava-1.5-7b={tmp_path / 'llava'}"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and all(f"pretrained={tmp_path / 'llava'}," in line for line in lines)
+    with pytest.raises(SystemExit):
+        reproduce.main(["--print-commands", "--checkpoint", f"llava-1.5-7b={tmp_path}"])  # no config.json
+    assert "holds no config.json" in capsys.readouterr().err
+
+
 def test_a_run_without_results_file_is_an_error(tmp_path: Path) -> None:
     """lmms-eval logs its errors and exits 0, so the missing results file must stop the script."""
     with pytest.raises(RuntimeError, match="wrote no results"):
