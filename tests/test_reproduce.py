@@ -1,7 +1,7 @@
 """``python -m vtprune.eval.reproduce``: the papers' numbers, the lmms-eval runs that reproduce them, the table.
 
-The dry run (embedded models, local ``vtprune_shapes`` task, CPU) goes through the whole pipeline in about
-40 s; the GPU commands are checked against lmms-eval's own parser and task index.
+The dry run (embedded models, local ``vtprune_shapes`` task, CPU) goes through the whole pipeline in 40-60
+s; the GPU commands are checked against lmms-eval's own parser and task index.
 """
 
 from __future__ import annotations
