@@ -1,0 +1,332 @@
+"""Serving benchmark: vLLM with vtprune's plugin, pruned vs unpruned, as users measure serving (and vs vtprune's
+transformers path).
+
+``python -m vtprune.eval.bench_serving`` (in the vLLM venv; from the main venv it re-runs itself there) sends
+``--requests`` requests with distinct random images at each ``--concurrency`` to an in-process vLLM engine
+(``AsyncLLM``, what the OpenAI server runs) and records requests/s, time to first token (TTFT), time per
+output token (TPOT) and KV-cache tokens per request, for the unpruned model and ``--method`` at ``--keep``;
+then one ``generate`` loop of vtprune's transformers path (concurrency 1). Models: ``proxy576`` (a random-weight
+LLaVA at LLaVA-1.5 geometry, 336 px / 14 px patches = 576 visual tokens, small language model, vLLM dummy
+weights) or ``proxy7b`` (the same with LLaVA-1.5-7B's language model and CLIP-L tower: GPU), and
+``embedded:llava`` (16 tokens per image). Writes CSV, Markdown (with conditions) and a plot to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROXY_LM = {"proxy576": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+                             head_dim=64, intermediate_size=1408),
+            "proxy7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                            head_dim=128, intermediate_size=11008)}
+PROXY_TOWER = {"proxy576": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
+               "proxy7b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)}
+FIELDS = ["model", "engine", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
+          "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_mib_per_req", "speedup",
+          "vs_transformers"]
+
+
+def proxy_folder(name: str, root: Path) -> Path:
+    """A LLaVA folder at LLaVA-1.5 image geometry (576 tokens) with the embedded tokenizer; no weights."""
+    from vtprune.vllm.export import export_embedded
+
+    source = export_embedded("llava")
+    target = root / name
+    target.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and item.suffix in (".json", ".jinja") and item.name != "config.json":
+            (target / item.name).write_bytes(item.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["text_config"].update(PROXY_LM[name], max_position_embeddings=4096)
+    config["vision_config"].update(PROXY_TOWER[name], image_size=336, patch_size=14)
+    config["image_seq_length"] = 576
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    processor = json.loads((source / "processor_config.json").read_text())
+    processor["patch_size"] = 14
+    processor["image_processor"].update(crop_size={"height": 336, "width": 336}, size={"shortest_edge": 336})
+    (target / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    return target
+
+
+def images(count: int, size: int, seed: int = 0) -> list:
+    """``count`` distinct random RGB images (no two share a multimodal hash)."""
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(seed)
+    return [Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def prompt_text(tokenizer) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+async def run_load(engine, prompt: str, pictures: list, concurrency: int, max_tokens: int) -> tuple[list, float]:
+    """Send one request per picture, at most ``concurrency`` in flight; per-request records and wall seconds."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, picture) -> dict:
+        async with gate:
+            start, first, last, tokens, prompt_tokens = time.perf_counter(), None, None, 0, 0
+            request = {"prompt": prompt, "multi_modal_data": {"image": picture}}
+            async for out in engine.generate(request, params, request_id=f"r{index}-{time.monotonic_ns()}"):
+                now = time.perf_counter()
+                tokens, prompt_tokens = len(out.outputs[0].token_ids), len(out.prompt_token_ids or [])
+                first = now if first is None and tokens else first
+                last = now
+            return {"ttft": first - start, "tpot": (last - first) / max(tokens - 1, 1), "prompt": prompt_tokens,
+                    "output": tokens}
+
+    start = time.perf_counter()
+    records = await asyncio.gather(*(one(i, p) for i, p in enumerate(pictures)))
+    return list(records), time.perf_counter() - start
+
+
+def kv_bytes_per_token(config: dict) -> int:
+    """K and V of every layer for one token, float32."""
+    text = config["text_config"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
+
+
+def summary(model: str, engine: str, method: str, keep: float, concurrency: int, records: list, seconds: float,
+            config: dict, visual: int, kept: int) -> dict:
+    tokens = statistics.mean(r["prompt"] + r["output"] for r in records)
+    return {"model": model, "engine": engine, "method": method, "keep": keep, "concurrency": concurrency,
+            "requests": len(records), "visual_tokens": visual, "kept_tokens": kept,
+            "req_per_s": round(len(records) / seconds, 3),
+            "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in records), 1),
+            "tpot_p50_ms": round(1000 * statistics.median(r["tpot"] for r in records), 2),
+            "kv_tokens_per_req": round(tokens, 1),
+            "kv_mib_per_req": round(tokens * kv_bytes_per_token(config) / 2**20, 3), "speedup": "",
+            "vs_transformers": ""}
+
+
+def measure_vllm(model: str, folder: Path, method: str, keep: float, args: argparse.Namespace) -> list[dict]:
+    """Rows of one engine (pruned when ``method != 'none'``) at every concurrency."""
+    return asyncio.run(_measure_vllm(model, folder, method, keep, args))
+
+
+async def _measure_vllm(model: str, folder: Path, method: str, keep: float, args: argparse.Namespace) -> list[dict]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from vtprune.vllm.select import kept_count
+
+    config = json.loads((folder / "config.json").read_text())
+    overrides: dict = {}
+    if method != "none":
+        overrides = {"architectures": ["VtpruneLlavaForConditionalGeneration"],
+                     "vtprune": {"method": method, "keep": keep}}
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(folder), dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+        max_num_seqs=max(args.concurrency), hf_overrides=overrides, seed=0,
+        load_format="dummy" if model.startswith("proxy") else "auto", limit_mm_per_prompt={"image": 1}))
+    size = config["vision_config"]["image_size"]
+    visual = (size // config["vision_config"]["patch_size"]) ** 2
+    kept = kept_count(keep, visual) if method != "none" else visual
+    rows = []
+    try:
+        prompt = prompt_text(engine.get_tokenizer())
+        await run_load(engine, prompt, images(2, size, seed=99), 2, args.max_tokens)  # warm-up
+        for concurrency in args.concurrency:
+            count = max(args.requests, 2 * concurrency)
+            records, seconds = await run_load(engine, prompt, images(count, size, seed=concurrency), concurrency,
+                                              args.max_tokens)
+            rows.append(summary(model, "vllm", method, keep if method != "none" else 1.0, concurrency, records,
+                                seconds, config, visual, kept))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        engine.shutdown()
+    return rows
+
+
+class _Clock:
+    """A transformers streamer that timestamps the first new token and the last one."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def put(self, value) -> None:
+        self.calls.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def measure_transformers(model_name: str, folder: Path, method: str, keep: float, args: argparse.Namespace
+                         ) -> dict:
+    """One row of vtprune's transformers path: a ``generate`` loop (concurrency 1), wrapped unless ``none``."""
+    import torch
+    from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
+
+    import vtprune
+    from vtprune.vllm.select import kept_count
+
+    config = json.loads((folder / "config.json").read_text())
+    torch.manual_seed(0)
+    if model_name.startswith("proxy"):
+        model = LlavaForConditionalGeneration(LlavaConfig.from_pretrained(folder)).eval()
+    else:
+        model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    handle = vtprune.wrap(model, method, keep=keep) if method != "none" else None
+    size = config["vision_config"]["image_size"]
+    visual = (size // config["vision_config"]["patch_size"]) ** 2
+    records, prompt = [], prompt_text(processor)
+    pictures = images(args.transformers_requests + 1, size, seed=7)
+    start = None
+    for index, picture in enumerate(pictures):
+        if index == 1:
+            start = time.perf_counter()  # the first request warms up
+        inputs = processor(images=picture, text=prompt, return_tensors="pt")
+        clock, begin = _Clock(), time.perf_counter()
+        with torch.no_grad():
+            model.generate(**inputs, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens,
+                           do_sample=False, streamer=clock)
+        if index:
+            stamps = clock.calls[1:]  # the first put is the prompt
+            records.append({"ttft": stamps[0] - begin, "tpot": (stamps[-1] - stamps[0]) / max(len(stamps) - 1, 1),
+                            "prompt": int(inputs["input_ids"].shape[1]), "output": len(stamps)})
+    seconds = time.perf_counter() - start
+    if handle is not None:
+        handle.remove()
+    kept = kept_count(keep, visual) if method != "none" else visual
+    row = summary(model_name, "transformers", method, keep if method != "none" else 1.0, 1, records, seconds,
+                  config, visual, kept)
+    if method != "none":
+        row["kv_tokens_per_req"] = round(row["kv_tokens_per_req"] - (visual - kept), 1)  # the pruned cache
+        row["kv_mib_per_req"] = round(row["kv_tokens_per_req"] * kv_bytes_per_token(config) / 2**20, 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """``speedup``: requests/s over the unpruned row of the same model, engine and concurrency;
+    ``vs_transformers``: over vtprune's transformers path (same model and method, one request at a time)."""
+    base = {(r["model"], r["engine"], r["concurrency"]): r["req_per_s"] for r in rows if r["method"] == "none"}
+    loop = {(r["model"], r["method"]): r["req_per_s"] for r in rows if r["engine"] == "transformers"}
+    for row in rows:
+        unpruned = base.get((row["model"], row["engine"], row["concurrency"]))
+        row["speedup"] = round(row["req_per_s"] / unpruned, 2) if unpruned else ""
+        transformers = loop.get((row["model"], row["method"]))
+        row["vs_transformers"] = round(row["req_per_s"] / transformers, 2) if transformers else ""
+
+
+def conditions(args: argparse.Namespace) -> str:
+    import torch
+    import vllm
+
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return (f"vLLM {vllm.__version__} ({'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()}), "
+            f"torch {torch.__version__}, {args.dtype}, eager, {os.cpu_count()} cores "
+            f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}), Python {platform.python_version()}, "
+            f"vtprune {sha.strip() or '?'}; requests per concurrency max({args.requests}, 2 x concurrency), "
+            f"{args.max_tokens} output tokens each (ignore_eos), distinct random images; transformers path: "
+            f"{args.transformers_requests} requests, one at a time; KV per request = (prompt + output tokens) x "
+            "layers x 2 x KV heads x head dim x 4 bytes.")
+
+
+def write(rows: list[dict], out: Path, args: argparse.Namespace) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "serving.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = ["# Serving: vLLM with vtprune's plugin, pruned vs unpruned", "", f"Conditions: {conditions(args)}", "",
+             "| " + " | ".join(FIELDS) + " |", "|" + "---|" * len(FIELDS)]
+    lines += ["| " + " | ".join(str(row[f]) for f in FIELDS) + " |" for row in rows]
+    (out / "serving.md").write_text("\n".join(lines) + "\n")
+    (out / "conditions.txt").write_text(conditions(args) + "\n")
+    plot(out)
+
+
+def plot(out: Path) -> None:
+    """``serving.png``: requests/s against concurrency per model and method (skipped without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_serving: no matplotlib here; run `python -m vtprune.eval.bench_serving --plot-only "
+              f"{out}` in the main venv for the plot", file=sys.stderr)
+        return
+    with open(out / "serving.csv") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["engine"] == "vllm"]
+    models = sorted({r["model"] for r in rows})
+    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for axis, model in zip(axes[0], models):
+        for method in sorted({r["method"] for r in rows if r["model"] == model}):
+            chosen = [r for r in rows if r["model"] == model and r["method"] == method]
+            axis.plot([int(r["concurrency"]) for r in chosen], [float(r["req_per_s"]) for r in chosen], marker="o",
+                      label=f"{method} keep {chosen[0]['keep']}")
+        axis.set(xscale="log", xlabel="concurrency", ylabel="requests/s", title=model)
+        axis.legend()
+    figure.suptitle((out / "conditions.txt").read_text()[:110] + "...", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(out / "serving.png", dpi=120)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m vtprune.eval.bench_serving", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="proxy576,embedded:llava", help="proxy576, proxy7b, embedded:llava")
+    parser.add_argument("--method", default="divprune", help="the pruned rows' method (divprune or random)")
+    parser.add_argument("--keep", type=float, default=0.25, help="keep fraction of the pruned rows")
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
+    parser.add_argument("--requests", type=int, default=32, help="requests per level (at least 2 x concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    parser.add_argument("--transformers-requests", type=int, default=8, help="0: skip vtprune's transformers path")
+    parser.add_argument("--dtype", default="float32", help="float32 on a CPU, bfloat16 on a GPU")
+    parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len")
+    parser.add_argument("--out", default="docs/results/serving", help="folder for CSV, Markdown and plot")
+    parser.add_argument("--plot-only", default=None, help="only redraw the plot of this results folder")
+    args = parser.parse_args(argv)
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.plot_only:
+        plot(Path(args.plot_only))
+        return 0
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from vtprune.vllm.serve import vllm_python
+
+        return subprocess.call([vllm_python(), "-m", "vtprune.eval.bench_serving", *(argv or sys.argv[1:])])
+    from vtprune.vllm.export import cache_root, model_folder
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU (ignored on a GPU)
+    out = Path(args.out)
+    rows: list[dict] = []
+    for model in args.models.split(","):
+        folder = proxy_folder(model, cache_root()) if model.startswith("proxy") else Path(model_folder(model))
+        for method in ("none", args.method):
+            rows += measure_vllm(model, folder, method, args.keep, args)
+            if args.transformers_requests:
+                rows.append(measure_transformers(model, folder, method, args.keep, args))
+    add_speedups(rows)
+    write(rows, out, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
