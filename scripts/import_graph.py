@@ -24,8 +24,8 @@ CORE = ("vtprune.api", "vtprune.config", "vtprune.plan", "vtprune.engine", "vtpr
         "vtprune.calls", "vtprune.state", "vtprune.layout", "vtprune.scoring", "vtprune.methods", "vtprune.errors",
         "vtprune.calibration_check", "vtprune.method_config", "vtprune.flops", "vtprune.kv", "vtprune.outputs",
         "vtprune.guards", "vtprune.adapters", "vtprune.kernels")
-APPLICATIONS = ("vtprune.__main__", "vtprune.cli", "vtprune.models", "vtprune.media", "vtprune.gridprobe",
-                "vtprune.demo", "vtprune.vllm", "vtprune.eval")
+APPLICATIONS = ("vtprune.__main__", "vtprune.cli", "vtprune.models", "vtprune.shapes", "vtprune.media",
+                "vtprune.gridprobe", "vtprune.demo", "vtprune.vllm", "vtprune.eval")
 EVAL = "vtprune.eval"
 
 

@@ -19,16 +19,8 @@ _spec.loader.exec_module(tool)
 # Violations that exist today and that issue 26 removes (targets 1 and 3). The lead deletes an entry when its
 # target is met; any violation NOT listed here fails the test, and an entry that no longer occurs fails too.
 KNOWN_VIOLATIONS_TO_REMOVE: dict[str, set[tuple[str, str]]] = {
-    # target 3: the synthetic task moves out of vtprune.eval (16 import statements in these 7 module pairs)
-    "vtprune/ imports vtprune.eval": {
-        ("vtprune.cli", "vtprune.eval.shapes"),
-        ("vtprune.cli", "vtprune.eval.shapes_dense"),
-        ("vtprune.cli.sample", "vtprune.eval.shapes"),
-        ("vtprune.cli.sample", "vtprune.eval.shapes_video"),
-        ("vtprune.demo.app", "vtprune.eval.shapes"),
-        ("vtprune.demo.app", "vtprune.eval.shapes_video"),
-        ("vtprune.models.vocabulary", "vtprune.eval.shapes"),
-    },
+    # target 3 met (the synthetic task moved to vtprune.shapes): nothing left to allow
+    "vtprune/ imports vtprune.eval": set(),
     # target 1: the engine's parts take the plan, the adapter and the call, not the PruneHandle; these
     # type-only imports close the cycle engine <-> prefill / decode / kv / guards
     "type-only edge closing a cycle": {
@@ -68,7 +60,7 @@ def test_models_and_type_only_imports_are_read():
     found, edges = tool.edges(ROOT)
     assert "vtprune.models.vocabulary" in found and "vtprune.models.loading" in found
     assert tool.Edge("vtprune.kv", "vtprune.engine", False, True) in edges
-    assert tool.Edge("vtprune.cli", "vtprune.eval.shapes", True, False) in edges
+    assert tool.Edge("vtprune.models.vocabulary", "vtprune.shapes.task", True, False) in edges
 
 
 def _not_python(folder: str, names: list[str]) -> list[str]:

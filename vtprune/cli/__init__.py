@@ -60,9 +60,9 @@ def _sample(index: int, model: str | None = None):
     from vtprune.models.embedded import task_of
 
     if task_of(model) == "dense":
-        from vtprune.eval.shapes_dense import make_dense_split as make_split
+        from vtprune.shapes.dense import make_dense_split as make_split
     else:
-        from vtprune.eval.shapes import make_split
+        from vtprune.shapes.task import make_split
     sample = make_split("test", 1, offset=index)[0]  # sample `index` of the split, generated alone
     question = sample.questions[0]
     return sample.image, question.text, question.answer

@@ -42,7 +42,7 @@ def command_sample(args: argparse.Namespace) -> int:
 
 
 def _write_image(path: Path, index: int) -> None:
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     sample = make_split("test", 1, offset=index)[0]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,8 +58,8 @@ def _write_image(path: Path, index: int) -> None:
 
 
 def _write_video(path: Path, index: int) -> None:
-    from vtprune.eval.shapes import SPLIT_SEEDS
-    from vtprune.eval.shapes_video import generate_video_sample, open_form
+    from vtprune.shapes.task import SPLIT_SEEDS
+    from vtprune.shapes.video import generate_video_sample, open_form
 
     clip = generate_video_sample(SPLIT_SEEDS["test"], index)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -130,14 +130,14 @@ def _by_ordinal(record: Any, values: torch.Tensor) -> np.ndarray:
 
 @lru_cache(maxsize=1)
 def _example_samples() -> tuple:
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     return tuple(make_split("test", EXAMPLE_IMAGES))
 
 
 def _oracle_evidence(image: Image.Image, question: str, grid: tuple[int, int] | None) -> list[float]:
     """Evidence weights of an example image's own question (the ``oracle`` method needs the answer's boxes)."""
-    from vtprune.eval.shapes import evidence_mask
+    from vtprune.shapes.task import evidence_mask
 
     pixels = np.asarray(image.convert("RGB"))
     for sample in _example_samples() if grid else ():
@@ -275,7 +275,7 @@ def write_examples(folder: Path = EXAMPLES_DIR, images: int = EXAMPLE_IMAGES) ->
 
     Files are rewritten at every start (atomically), so they always match the current generator.
     """
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -305,7 +305,7 @@ def _write_example_video(folder: Path, fps: float = 8.0) -> tuple[str, str] | No
     try:
         import cv2
 
-        from vtprune.eval.shapes_video import make_video_split
+        from vtprune.shapes.video import make_video_split
     except ImportError:
         return None
     sample = make_video_split("test", 1)[0]

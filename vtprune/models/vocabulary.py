@@ -32,7 +32,7 @@ def unknown_words(processor: Any, text: str) -> list[str]:
 @functools.cache
 def _templates() -> tuple[re.Pattern, ...]:
     """The vtprune-shapes question templates (images and clips) as regular expressions over the vocabulary."""
-    from vtprune.eval.shapes import COLORS, PLURALS, SHAPES, TEMPLATES, VIDEO_TEMPLATES
+    from vtprune.shapes.task import COLORS, PLURALS, SHAPES, TEMPLATES, VIDEO_TEMPLATES
 
     fill = {"shape": "|".join(SHAPES), "color": "|".join(COLORS), "plural": "|".join(PLURALS.values())}
     patterns = []
@@ -46,7 +46,7 @@ def _templates() -> tuple[re.Pattern, ...]:
 
 def example_questions() -> list[str]:
     """One filled-in question per template, e.g. ``What color is the circle?``."""
-    from vtprune.eval.shapes import TEMPLATES
+    from vtprune.shapes.task import TEMPLATES
 
     return [TEMPLATES[kind].format(shape="circle", color="red", plural="squares") for kind in TEMPLATES]
 
