@@ -120,6 +120,10 @@ def test_a_forward_without_cache_prunes_as_the_cached_prefill_and_records_only_w
             assert len(handle.stats) == 0 and handle.last_stats is None  # no cache: nothing was evicted
             model(**inputs)
             assert len(handle.stats) == 1 and handle.last_stats.retained_kv
+        with vtprune.apply(model, "none", keep=1.0) as handle:
+            model(**inputs)  # the baseline of a comparison records its call: every visual token kept
+            stats = handle.last_stats
+            assert len(handle.stats) == 1 and not stats.stage_layers and sum(stats.visual_tokens) > 0
     torch.testing.assert_close(uncached, cached, atol=0, rtol=0, equal_nan=True)
     valid = inputs["attention_mask"].bool()
     torch.testing.assert_close(uncached_kv[valid], unwrapped[valid], atol=1e-5, rtol=0)

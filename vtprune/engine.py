@@ -274,7 +274,9 @@ class PruneHandle:
         cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
         if ran and cache is not None and self.retains_kv:
             kv.evict(self, call, cache)
-        pruned = bool(stats.stage_layers)  # KV retention without a cache (use_cache=False) pruned nothing
+        # KV retention without a cache (use_cache=False) evicted nothing: no stats. A plan without stages
+        # (method none) records its call, with every visual token kept, as the baseline of a comparison.
+        pruned = bool(stats.stage_layers) or not self.retains_kv
         if output is not None and call.views and pruned:
             outputs.attach_positions(output, _kept_positions(call))
             stats.defer_kept_indices(call.stage_ordinals)
