@@ -13,9 +13,9 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from tqdm import tqdm
 from vtprune.eval.bench_defaults import DEFAULT_KEEPS, DEFAULT_METHODS
 from vtprune.eval.bench_speed import add_speed_arguments
@@ -30,6 +30,9 @@ from vtprune.cli.checks import (
     positive_int,
 )
 from vtprune.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 SPLITS = ("train", "val", "test", "calib")
 
@@ -49,9 +52,9 @@ def load_items(split: str, n_images: int, task: str = "shapes") -> list[Item]:
     """Every question of the first ``n_images`` images of ``split`` of the task version ``task``
     (``"shapes"``: 112 px, 16 tokens on the embedded models; ``"dense"``: 224 px, 6-12 objects, ``where3``)."""
     if task == "dense":
-        from vtprune.eval.shapes_dense import make_dense_split as make_split
+        from vtprune.shapes.dense import make_dense_split as make_split
     else:
-        from vtprune.eval.shapes import make_split
+        from vtprune.shapes.task import make_split
 
     return [Item(s.image, q.text, q.answer, q.qtype, q.boxes) for s in make_split(split, n_images)
             for q in s.questions]
@@ -66,7 +69,9 @@ def task_for(model_spec: str | None, task: str) -> str:
 
 def evidence_weights(item: Item, segments) -> torch.Tensor:
     """``[N]`` 1.0 on the visual tokens covered by the answer object's boxes (first image's grid)."""
-    from vtprune.eval.shapes import evidence_mask
+    import torch
+
+    from vtprune.shapes.task import evidence_mask
 
     segment = segments[0]
     mask = evidence_mask(item.boxes, item.image.size, segment.h, segment.w) if item.boxes else np.zeros(
@@ -94,6 +99,7 @@ def available_methods(requested: list[str]) -> list[str]:
 def evaluate(model, processor, items: list[Item], method: str, keep: float, batch_size: int,
              progress: tqdm | None = None) -> list[dict]:
     """Answer every item with ``method`` at ``keep``; one record per item (correct, recall, kept)."""
+    import torch
     from vtprune.adapters import get_adapter
 
     import vtprune
@@ -143,6 +149,8 @@ def timing_ms(model, processor, items: list[Item], method: str, keep: float, rep
     model's own decoding path, which also builds Qwen's M-RoPE decode positions), so it includes the
     per-step overhead of ``generate``.
     """
+    import torch
+
     import vtprune
     from vtprune.models.pipeline import build_inputs
 
@@ -203,6 +211,7 @@ def summarise(records: list[dict]) -> dict[str, dict]:
 
 def run(args: argparse.Namespace) -> Path:
     """The whole benchmark; returns the CSV path."""
+    import torch
     from vtprune.eval.bench_report import conditions, write_report
 
     from vtprune.models.loading import load, model_label

@@ -32,8 +32,8 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
+from typing import Any
 
-import torch
 from tqdm import tqdm
 
 COLUMNS = [
@@ -54,7 +54,16 @@ COLUMNS = [
     "device", "threads", "dtype", "attn_implementation", "torch", "transformers", "vtprune", "git_sha", "git_dirty",
     "weights_sha", "date",
 ]  # fmt: skip
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (``{name: torch.dtype}``) is built on first use: ``vtprune bench --help`` imports no torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {dtype: getattr(torch, dtype) for dtype in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 WARMUP_TOKENS = 8
 
 
@@ -89,10 +98,11 @@ def _csv_numbers(text: str, kind, flag: str, low: float, high: float) -> list:
 
 def plan_from(args: argparse.Namespace) -> dict:
     """Validated settings of a speed run (``ValueError`` naming the option and the fix)."""
+    import torch
     from vtprune.eval.speed_proxy import lm_geometry, parse_geometries
 
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join(DTYPES)}.")
+    if args.dtype not in DTYPE_NAMES:
+        raise ValueError(f"--dtype {args.dtype!r}: use one of {', '.join(DTYPE_NAMES)}.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no GPU; use --device cpu.")
@@ -108,13 +118,14 @@ def plan_from(args: argparse.Namespace) -> dict:
         lm_geometry(family, args.speed_lm, args.speed_hidden, args.speed_layers)  # validates
     if args.repeats < 5:
         print(f"[speed] --repeats {args.repeats}: p20/p80 over fewer than 5 runs interpolate 1-4 values; use 5+")
-    return {"device": device, "dtype": DTYPES[args.dtype], "methods": methods, "keeps": keeps,
+    return {"device": device, "dtype": getattr(torch, args.dtype), "methods": methods, "keeps": keeps,
             "geometries": geometries, "batches": _csv_numbers(args.speed_batches, int, "--speed-batches", 1, 1024),
             "new_tokens": args.speed_new_tokens}
 
 
 def run_speed(args: argparse.Namespace) -> Path:
     """The whole speed benchmark; returns the CSV path (also writes ``speed.md`` and PNG plots)."""
+    import torch
     from vtprune.eval.speed_proxy import build_model, lm_geometry
     from vtprune.eval.speed_report import write_report
 
@@ -285,6 +296,8 @@ def _status(error: BaseException) -> str:
 
 
 def _free(inputs: dict) -> None:
+    import torch
+
     gc.collect()
     if inputs["input_ids"].device.type == "cuda":
         torch.cuda.empty_cache()

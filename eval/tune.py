@@ -15,24 +15,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm.auto import tqdm
-from vtprune.adapters import get_adapter
-from vtprune.eval import tune_spaces
 
 from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
 from vtprune.config import PruneConfig, check_keep
-from vtprune.methods import resolve
-from vtprune.methods.budget import InfeasibleBudget
+
+if TYPE_CHECKING:  # imported where used: `vtprune tune --help` imports no torch
+    import torch
 
 
 def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
     """``n`` seeded (image, question) pairs from the vtprune-shapes ``calib`` split."""
     import random
 
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     rng = random.Random(seed)
     samples = make_split("calib", n, offset=1000 * seed)
@@ -41,6 +39,9 @@ def prompts(n: int, seed: int) -> list[tuple[Any, str]]:
 
 def last_hidden(model: Any, inputs: dict) -> torch.Tensor:
     """``[B, D]`` fp32 output of the language model's final norm at the last prompt position (left padding)."""
+    import torch
+    from vtprune.adapters import get_adapter
+
     captured: dict[str, torch.Tensor] = {}
 
     def grab(module: Any, args: tuple, output: torch.Tensor) -> None:
@@ -59,6 +60,8 @@ class Objective:
     """Mean cosine similarity to the unpruned model's last-token state for one configuration."""
 
     def __init__(self, model: Any, processor: Any, items: list, batch_size: int = 32) -> None:
+        import torch
+
         from vtprune.models.pipeline import build_inputs
 
         device = next(model.parameters()).device
@@ -70,6 +73,8 @@ class Objective:
         self.reference = [last_hidden(model, inputs) for inputs in self.batches]
 
     def __call__(self, method: str, budget: float, options: dict[str, Any]) -> float:
+        import torch
+
         import vtprune
 
         total, count = 0.0, 0
@@ -85,6 +90,11 @@ def tune(model: Any, processor: Any, method: str, budget: float, trials: int, n_
          seed: int = 0, progress: bool = True, batch_size: int = 32) -> dict[str, Any]:
     """Run the search; returns the JSON-ready result (best options, objectives, every trial)."""
     import optuna  # optional dependency (the bench extra), loaded only to tune
+    from vtprune.adapters import get_adapter
+    from vtprune.eval import tune_spaces
+
+    from vtprune.methods import resolve
+    from vtprune.methods.budget import InfeasibleBudget
 
     check_keep(budget, name="budget")
     if trials < 1:

@@ -40,7 +40,7 @@ def test_import_vtprune_imports_no_torch_and_the_public_names_still_resolve():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("command", ["", "run", "info", "sample", "calibrate", "demo", "serve"])
+@pytest.mark.parametrize("command", ["", "run", "info", "sample", "bench", "calibrate", "tune", "demo", "serve"])
 def test_help_imports_no_torch(command):
     argv = [c for c in (command, "--help") if c]
     result = _python(_no_heavy_import(f"import vtprune.cli; vtprune.cli.main({argv!r})"))
