@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,8 +48,7 @@ def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: f
         config = method
     elif scorer is not None:  # an instance: its name labels the stats; only debias= may be added to it
         debias = options.get("debias", False)
-        config = _config_from(scorer.name, keep, options)
-        config.debias = debias
+        config = dataclasses.replace(_config_from(scorer.name, keep, options), debias=debias)
     else:
         config = _config_from(method, keep, options)
     existing = getattr(model, "_vtprune_handle", None)

@@ -135,9 +135,9 @@ def check_keep(keep: Any, name: str = "keep") -> float:
     return value
 
 
-@dataclass
+@dataclass(frozen=True)
 class PruneConfig:
-    """What to prune and how much.
+    """What to prune and how much (frozen: derive a changed copy with ``dataclasses.replace(config, keep=0.5)``).
 
     Parameters
     ----------
@@ -173,9 +173,8 @@ class PruneConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
             raise ValueError(f"method must be a method name such as 'fastv', got {self.method!r}.")
-        self.method, debias = split_method_name(self.method)
-        self.debias = self.debias or debias
-        self.keep = check_keep(self.keep)
+        method, debias = split_method_name(self.method)
+        keep = check_keep(self.keep)
         if self.positions not in ("original", "compact"):
             raise ValueError(f"positions must be 'original' or 'compact', got {self.positions!r}.")
         if self.logits not in LOGITS_LAYOUTS:
@@ -186,9 +185,12 @@ class PruneConfig:
                              f"got {self.parity!r}.")
         if self.layer is not None and self.schedule is not None:
             raise ValueError("give either layer=K or schedule='K:KEEP,...', not both.")
-        self.stages = parse_schedule(self.schedule)
+        stages = parse_schedule(self.schedule)
         if self.layer is not None:
-            self.stages = (Stage(stage_layer(self.layer, "layer (the first decoder layer that sees pruned tokens)"),
-                                 self.keep),)
-        if self.stages is not None:
-            self.keep = self.stages[-1].keep
+            stages = (Stage(stage_layer(self.layer, "layer (the first decoder layer that sees pruned tokens)"), keep),)
+        if stages is not None:
+            keep = stages[-1].keep
+        # The normalised values (frozen: set once, here); ``stages`` is derived, not a field.
+        for name, value in (("method", method), ("debias", self.debias or debias), ("keep", keep),
+                            ("stages", stages)):
+            object.__setattr__(self, name, value)
