@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from vtprune.eval.bench_report import conditions
-from vtprune.eval.shapes import make_split
 
 import vtprune
 from vtprune.models.chat import chat
 from vtprune.models.loading import load, model_label
+from vtprune.shapes.task import make_split
 
 METHODS = "none,random,fastv,pdrop,transprune,vflowopt,prefixkv"
 QUERY_AWARE = ("fastv", "pdrop", "transprune", "prefixkv")

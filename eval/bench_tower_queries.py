@@ -72,9 +72,8 @@ def random_block_qk(side: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
 
 def embedded_block_qk(side: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """q, k and scale of the embedded Qwen2-VL tower's last block on a shapes test image of side^2 patches."""
-    from vtprune.eval.shapes import make_split
-
     from vtprune.models.loading import load
+    from vtprune.shapes.task import make_split
 
     model, processor = load("embedded:qwen2_vl", device="cpu")
     image = make_split("test", 1)[0].image.resize((side * 14, side * 14))

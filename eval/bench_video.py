@@ -73,7 +73,7 @@ def load_questions(split: str, clips: int, open_ended: bool = False) -> list[Vid
 
     ``open_ended``: ask without the options (``shapes_video.open_form``); answers are mapped to the options.
     """
-    from vtprune.eval.shapes_video import make_video_split, open_form
+    from vtprune.shapes.video import make_video_split, open_form
 
     return [VideoQuestion(s.frames, open_form(q)[0] if open_ended else q.text, q.answer, q.qtype, list(q.frames),
                           question_options(q.text))

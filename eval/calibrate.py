@@ -45,9 +45,9 @@ def calibration_items(data: str | None, n: int, task: str = "shapes") -> list[tu
     """
     if data is None:
         if task == "dense":
-            from vtprune.eval.shapes_dense import make_dense_split as make_split
+            from vtprune.shapes.dense import make_dense_split as make_split
         else:
-            from vtprune.eval.shapes import make_split
+            from vtprune.shapes.task import make_split
 
         samples = make_split("calib", n)
         return [(s.image, s.questions[i % len(s.questions)].text) for i, s in enumerate(samples)]

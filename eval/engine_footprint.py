@@ -84,10 +84,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", default="runs/footprint")
     args = parser.parse_args(argv)
     import transformers
-    from vtprune.eval.shapes import make_split
 
     from vtprune.models.loading import load, model_label
     from vtprune.models.pipeline import build_inputs
+    from vtprune.shapes.task import make_split
 
     torch.set_num_threads(args.threads)
     model, processor = load(args.model, device="cpu")

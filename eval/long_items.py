@@ -9,7 +9,7 @@ Two settings, both on vtprune-shapes with the embedded models (16 visual tokens 
 
 Evidence is token-level: each evidence frame's visual tokens are mapped to its patch grid (the adapter's
 segment ``h x w``, one segment per image) and the tokens covered by the target's box are marked, as the image
-benchmark does for a single image (:func:`vtprune.eval.shapes.evidence_mask`).
+benchmark does for a single image (:func:`vtprune.shapes.task.evidence_mask`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class LongItem:
 
 def video_items(split: str, clips: int, frames: int | None = None) -> list[LongItem]:
     """Both open-ended questions of the first ``clips`` clips; ``frames`` fixes the clip length (default 16-32)."""
-    from vtprune.eval.shapes import ShapesConfig
-    from vtprune.eval.shapes_video import make_video_split, open_form
+    from vtprune.shapes.task import ShapesConfig
+    from vtprune.shapes.video import make_video_split, open_form
 
     cfg = ShapesConfig(video_frames=(frames, frames)) if frames else ShapesConfig()
     group = f"{frames} frames" if frames else "16-32 frames"
@@ -53,7 +53,7 @@ def video_items(split: str, clips: int, frames: int | None = None) -> list[LongI
 
 def multi_items(split: str, sets: int, n_images: int) -> list[LongItem]:
     """Every question of the first ``sets`` sets of ``n_images`` images (``shapes_multi``)."""
-    from vtprune.eval.shapes_multi import make_multi_split
+    from vtprune.shapes.multi import make_multi_split
 
     group = f"{n_images} images"
     return [LongItem(s.images, q.text, q.answer, q.qtype, list(q.frames), list(q.boxes), group)
@@ -74,7 +74,7 @@ def evidence_tokens(item: LongItem, segments: list, total: int) -> torch.Tensor:
     A frame's tokens are its segment's ``h x w`` grid in raster order (extra tokens, such as a CLS token,
     come first in the segment and are never evidence).
     """
-    from vtprune.eval.shapes import evidence_mask
+    from vtprune.shapes.task import evidence_mask
 
     weights = torch.zeros(total)
     for frame in item.evidence:

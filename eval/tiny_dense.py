@@ -1,6 +1,6 @@
 """The 64-token embedded LLaVA on the dense task version: tokenizer, auxiliary targets, training questions.
 
-Used by :mod:`vtprune.eval.train_tiny` with ``--task dense`` (see :mod:`vtprune.eval.shapes_dense`). The model
+Used by :mod:`vtprune.eval.train_tiny` with ``--task dense`` (see :mod:`vtprune.shapes.dense`). The model
 is the same tiny ``LlavaForConditionalGeneration`` as the 16-token one (:func:`tiny_models.build_llava`) at
 224 px with 28 px patches: 8x8 = 64 visual tokens. What is specific to this version:
 
@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from vtprune.eval import shapes as S
-from vtprune.eval import shapes_dense as D
 from vtprune.eval import tiny_models as M
+
+from vtprune.shapes import dense as D
+from vtprune.shapes import task as S
 
 DENSE_MODEL_NAME = "vtprune-llava64-shapes"
 DENSE_RUN_DIR = Path("runs") / "llava64"  # default workdir; the export goes to <workdir>/export
@@ -206,7 +207,7 @@ class DigitReadout:
 
 def dense_card_data(args: argparse.Namespace) -> str:
     """The model card's data paragraph for the dense task version."""
-    return (f"vtprune-shapes **dense** task version (`vtprune.eval.shapes_dense`, {D.DENSE_VERSION}): {args.image_size} "
+    return (f"vtprune-shapes **dense** task version (`vtprune.shapes.dense`, {D.DENSE_VERSION}): {args.image_size} "
             f"px images of 6-12 shapes (20-28 px) and a 2-3 digit number drawn one digit per {args.patch_size} px "
             f"patch, generated on the fly from the `train` seed stream; question types {', '.join(D.DENSE_QTYPES)} "
             f"(`where3`: the 3x3 cell). Scene curriculum: difficulty 0 -> 1 over the first {args.curriculum_steps} "

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 from PIL import Image, ImageDraw
-from vtprune.eval import shapes as S
-from vtprune.eval.shapes_dense import DENSE_QTYPES
+
+from vtprune.shapes import task as S
+from vtprune.shapes.dense import DENSE_QTYPES
 
 QTYPE_KEYS: tuple[str, ...] = S.QTYPES + tuple(q for q in DENSE_QTYPES if q not in S.QTYPES)  # both task versions
 
@@ -175,9 +176,8 @@ def evaluate_video(model, processor, clips: list[S.VideoSample], total: int = 8,
 
 def _open_video_accuracy(model, processor, clips: list[S.VideoSample], total: int, batch_size: int) -> float:
     """Open-ended form (options removed): is the answer word the likeliest of the four option words?"""
-    from vtprune.eval.shapes_video import open_form
-
     from vtprune.media.video import frame_inputs
+    from vtprune.shapes.video import open_form
 
     tok = processor.tokenizer
     items = [(clip, q) for clip in clips for q in clip.questions]

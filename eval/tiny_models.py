@@ -12,7 +12,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
-from vtprune.eval import shapes as S
+
+from vtprune.shapes import task as S
 
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
 CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)

@@ -12,9 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from transformers import Qwen2VLProcessor
-from vtprune.eval import shapes as S
 from vtprune.eval import tiny_models as M
-from vtprune.eval.shapes_video import open_form
+
+from vtprune.shapes import task as S
+from vtprune.shapes.video import open_form
 
 QWEN_IMAGE_SIZE = 112  # 8x8 patches of 14 px -> 4x4 = 16 LM tokens after the 2x2 merge (the shipped model)
 QWEN_CHAT_TEMPLATE = (
@@ -213,7 +214,7 @@ class QwenVideoBatcher:
     """Clip questions (frames as consecutive images, the vtprune ``images`` route), each asked twice.
 
     Once as multiple choice (answer: the letter) and once open-ended (options removed, answer: the word,
-    :func:`vtprune.eval.shapes_video.open_form`), each with its own frame draw.
+    :func:`vtprune.shapes.video.open_form`), each with its own frame draw.
     """
 
     def __init__(self, processor: NoVideoQwen2VLProcessor):

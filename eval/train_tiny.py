@@ -10,7 +10,7 @@ The learning rate follows warmup + cosine over ``--steps`` or, with ``--minutes`
 The current best checkpoint (by validation accuracy) is exported every ``--export-every`` minutes.
 
 ``--task dense`` trains the 64-token LLaVA on the dense task version (224 px, 6-12 objects, one digit per
-28 px patch, 3x3 ``where3``; :mod:`vtprune.eval.shapes_dense`, :mod:`vtprune.eval.tiny_dense`); its default
+28 px patch, 3x3 ``where3``; :mod:`vtprune.shapes.dense`, :mod:`vtprune.eval.tiny_dense`); its default
 workdir is ``runs/llava64`` and its export ``runs/llava64/export`` (never the shipped models). Long runs
 go in legs: ``--leg-minutes`` stops a leg with a checkpoint, ``--resume`` (or ``--resume-from FILE``, e.g.
 the committed compact checkpoint) continues it on the same ``--steps`` schedule.
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from vtprune.eval import shapes as S
-from vtprune.eval import shapes_video as V
 from vtprune.eval import tiny_dense as TD
 from vtprune.eval import tiny_eval as E
 from vtprune.eval import tiny_models as M
 from vtprune.eval import tiny_qwen as Q
 
 from vtprune.models.embedded import EMBEDDED_MODELS
+from vtprune.shapes import task as S
+from vtprune.shapes import video as V
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -103,7 +103,7 @@ def test_sixteen_bit_greyscale_is_scaled_not_clipped(tmp_path):
 
 
 def test_exif_rotated_photo_answers_like_its_upright_copy(tmp_path, capsys):
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     sample = make_split("test", 1)[0]
     upright_path, rotated_path = tmp_path / "upright.png", tmp_path / "rotated.jpg"

@@ -80,7 +80,7 @@ def test_offline_hub_id_fails_fast(cli, no_model, monkeypatch):
 
 
 def test_sample_index_is_generated_alone():
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     image, question, answer = vtprune_cli._sample(7)
     reference = make_split("test", 8)[7]
@@ -209,9 +209,9 @@ def test_lmms_model_args_check_model_and_device_before_loading(monkeypatch):
 
 def test_demo_refuses_an_over_long_question_with_a_message():
     from vtprune.eval.demo_cli import load_demo_module
-    from vtprune.eval.shapes import make_split
 
     from vtprune.demo.app import EXAMPLES_DIR, DemoRunner
+    from vtprune.shapes.task import make_split
 
     app = load_demo_module("app")
     runner = DemoRunner("embedded:llava", device="cpu", timing_repeats=0)

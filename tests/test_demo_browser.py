@@ -98,8 +98,9 @@ def page(chromium, server):
 def inputs(tmp_path_factory) -> dict[str, Path]:
     """A generated shapes image, a generated clip (MP4), a text file and a broken PNG."""
     import cv2
-    from vtprune.eval.shapes import make_split
-    from vtprune.eval.shapes_video import make_video_split
+
+    from vtprune.shapes.task import make_split
+    from vtprune.shapes.video import make_video_split
 
     folder = tmp_path_factory.mktemp("demo-inputs")
     sample = make_split("test", 3)[2]

@@ -10,10 +10,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from vtprune.eval import shapes_dense as D  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
 
 from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa: E402
+from vtprune.shapes import dense as D  # noqa: E402
 
 N_IMAGES = 12  # a fixed slice of the dense test split: ~72 questions, all six types
 

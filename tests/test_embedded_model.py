@@ -15,8 +15,9 @@ from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa
 
 MODEL_DIR = embedded_model_path("llava")
 
-from vtprune.eval import shapes as S  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
+
+from vtprune.shapes import task as S  # noqa: E402
 
 N_IMAGES = 10  # ~60 questions, all six types
 

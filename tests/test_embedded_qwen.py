@@ -14,11 +14,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vtprune.eval import shapes as S  # noqa: E402
-from vtprune.eval import shapes_video as V  # noqa: E402
 from vtprune.eval import tiny_eval as E  # noqa: E402
 
 from vtprune.models.embedded import embedded_model_path  # noqa: E402
+from vtprune.shapes import task as S  # noqa: E402
+from vtprune.shapes import video as V  # noqa: E402
 
 N_CLIPS = 24  # 48 questions
 # Measured on the shipped model (CPU, fp32, SDPA; `test` split): images overall 0.818 on 200 images
@@ -72,10 +72,9 @@ def test_video_accuracy_floor(loaded, clips) -> None:
 
 
 def test_gridprobe_finds_evidence_frames_more_often_than_uniform(loaded, clips) -> None:
-    from vtprune.eval.shapes_video import open_form
-
     from vtprune.gridprobe.run import run_gridprobe
     from vtprune.media.video import uniform_indices
+    from vtprune.shapes.video import open_form
 
     model, processor = loaded
     hits = uniform_hits = 0

@@ -118,10 +118,9 @@ def test_a_followup_with_a_new_image_is_refused():
 def test_chat_reuse_equals_reprefill_without_pruning_and_differs_only_by_pruning(spec):
     import warnings
 
-    from vtprune.eval.shapes import make_split
-
     from vtprune.models.chat import chat
     from vtprune.models.loading import load
+    from vtprune.shapes.task import make_split
 
     model, processor = load(spec, device="cpu")
     sample = make_split("test", 3)[2]
@@ -142,10 +141,9 @@ def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, op
     continuing turn 1's pruned cache (reuse) answers exactly as re-running the conversation (reprefill)."""
     import warnings
 
-    from vtprune.eval.shapes import make_split
-
     from vtprune.models.chat import chat
     from vtprune.models.loading import load
+    from vtprune.shapes.task import make_split
 
     model, processor = load(spec, device="cpu")
     sample = make_split("test", 3)[2]
@@ -162,10 +160,9 @@ def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, op
 def test_chat_followup_turn_on_an_embedded_model_equals_the_reference(spec, method, options):
     """What ``chat(followup="reuse")`` runs: turn 2 continues turn 1's cache with the re-tokenized conversation
     and an all-ones mask (which generate() drops); its logits equal the independent reference."""
-    from vtprune.eval.shapes import make_split
-
     from vtprune.models.chat import _messages
     from vtprune.models.loading import load
+    from vtprune.shapes.task import make_split
 
     model, processor = load(spec, device="cpu")
     suppress = model.generation_config.eos_token_id + 1  # the reference never picks ids below it

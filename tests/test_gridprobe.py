@@ -120,7 +120,7 @@ def test_selection_finds_evidence_frames_more_often_than_uniform_sampling():
     frames must contain an evidence frame in >= 90% of clips and >= 30 points more often than M_eff uniformly
     sampled frames (measured: 100% vs 40% on 60 val clips).
     """
-    from vtprune.eval.shapes_video import make_video_split
+    from vtprune.shapes.video import make_video_split
 
     rng = np.random.default_rng(0)
     hits = uniform_hits = 0

@@ -276,7 +276,8 @@ def test_loglikelihood_prefers_the_greedy_answer(ws) -> None:
 def test_other_families_generate_batched(model_id: str, spec: str) -> None:
     from lmms_eval.api.instance import Instance
     from vtprune.eval.lmms_plugin import models
-    from vtprune.eval.shapes import make_split
+
+    from vtprune.shapes.task import make_split
 
     cls = {"vtprune_llava": models.VTPruneLlava, "vtprune_qwen_vl": models.VTPruneQwenVL}[model_id]
     lm = cls(pretrained=spec, method="random", keep=0.5, device="cpu", batch_size=2)
@@ -359,7 +360,8 @@ def test_loglikelihood_equals_the_independent_reference(model_id: str, spec: str
     from lmms_eval.api.instance import Instance
     from vtprune.eval.lmms_plugin import models
     from vtprune.eval.lmms_plugin.inputs import encode, prompt_text
-    from vtprune.eval.shapes import make_split
+
+    from vtprune.shapes.task import make_split
 
     cls = {"vtprune_llava": models.VTPruneLlava, "vtprune_qwen_vl": models.VTPruneQwenVL}[model_id]
     lm = cls(pretrained=spec, keep=0.3, device="cpu", **options)

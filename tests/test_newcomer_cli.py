@@ -44,10 +44,9 @@ def test_help_shows_the_defaults(cli, command, shown):
 
 def test_sample_writes_an_image_and_a_clip_the_models_can_answer(tmp_path, cli):
     pytest.importorskip("av", reason="writing a clip needs PyAV, the optional [video] extra (installed by test.sh)")
-    from vtprune.eval.shapes import make_split
-    from vtprune.eval.shapes_video import make_video_split
-
     from vtprune.media.video import load_video
+    from vtprune.shapes.task import make_split
+    from vtprune.shapes.video import make_video_split
 
     image, clip = tmp_path / "shapes.png", tmp_path / "sub" / "clip.mp4"
     code, out, err = cli("sample", "--image", str(image), "--video", str(clip))

@@ -48,7 +48,7 @@ def test_embedded_example_runs_as_written(capsys):
 ])
 def test_real_model_examples_run_on_the_embedded_models(tmp_path, capsys, name, spec, model, dtype, visual, stages):
     """The GPU snippets, with only the checkpoint, device, dtype and image file swapped (same family, same API)."""
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     code = _block(name)
     for real in (f'"{spec}"', '"cuda"', f'"{dtype}"', '"photo.jpg"'):

@@ -7,8 +7,9 @@ import json
 
 import numpy as np
 import pytest
-from vtprune.eval import shapes as S
-from vtprune.eval import shapes_video as V
+
+from vtprune.shapes import task as S
+from vtprune.shapes import video as V
 
 CFG = S.ShapesConfig()
 SAMPLES = S.make_split("val", 120, CFG)
@@ -146,7 +147,7 @@ def test_write_split(tmp_path) -> None:
 
 
 def test_video_sample_evidence_frames() -> None:
-    from vtprune.eval.shapes_video import make_video_split
+    from vtprune.shapes.video import make_video_split
 
     a, b = V.generate_video_sample(11, 2, CFG), V.generate_video_sample(11, 2, CFG)
     assert a.questions == b.questions
@@ -167,7 +168,7 @@ def test_video_sample_evidence_frames() -> None:
 
 
 def test_open_form_of_a_clip_question() -> None:
-    from vtprune.eval.shapes_video import open_form
+    from vtprune.shapes.video import open_form
 
     for index in range(5):
         clip = V.generate_video_sample(S.SPLIT_SEEDS["test"], index)

@@ -7,8 +7,9 @@ import collections
 
 import numpy as np
 import pytest
-from vtprune.eval import shapes as S
-from vtprune.eval import shapes_dense as D
+
+from vtprune.shapes import dense as D
+from vtprune.shapes import task as S
 
 CFG = D.DenseConfig()
 SAMPLES = D.make_dense_split("val", 60, CFG)

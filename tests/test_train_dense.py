@@ -10,13 +10,13 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vtprune.eval import shapes as S  # noqa: E402
-from vtprune.eval import shapes_dense as D  # noqa: E402
 from vtprune.eval import tiny_dense as TD  # noqa: E402
 from vtprune.eval import tiny_models as M  # noqa: E402
 from vtprune.eval import train_tiny as T  # noqa: E402
 
 from vtprune.models.embedded import embedded_model_path  # noqa: E402
+from vtprune.shapes import dense as D  # noqa: E402
+from vtprune.shapes import task as S  # noqa: E402
 
 
 def test_dense_tokenizer_extends_the_shipped_vocabulary() -> None:

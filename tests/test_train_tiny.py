@@ -11,11 +11,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vtprune.eval import shapes as S  # noqa: E402
-from vtprune.eval import shapes_video as V  # noqa: E402
 from vtprune.eval import tiny_models as M  # noqa: E402
 from vtprune.eval import tiny_qwen as Q  # noqa: E402
 from vtprune.eval import train_tiny as T  # noqa: E402
+
+from vtprune.shapes import task as S  # noqa: E402
+from vtprune.shapes import video as V  # noqa: E402
 
 
 def test_tokenizer_is_whole_word_and_spells_numbers() -> None:
@@ -164,7 +165,7 @@ def test_llava_batches_match_the_shipped_processor(patch: int) -> None:
 
 
 def test_qwen_video_batch_asks_each_question_as_letters_and_open_ended() -> None:
-    from vtprune.eval.shapes_video import open_form
+    from vtprune.shapes.video import open_form
 
     processor = Q.build_qwen_processor(Q.build_qwen_tokenizer(), 112)
     clip = V.generate_video_sample(S.SPLIT_SEEDS["train"], 0)

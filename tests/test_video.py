@@ -36,7 +36,7 @@ def _write(path, frames: list[np.ndarray], codec: str = "libx264", pix_fmt: str 
 
 @functools.cache
 def _shapes_clip():
-    from vtprune.eval.shapes_video import generate_video_sample
+    from vtprune.shapes.video import generate_video_sample
 
     sample = generate_video_sample(3, 0)
     return [np.asarray(f) for f in sample.frames], sample.questions[0]

@@ -54,7 +54,7 @@ def write_task_yaml(task_dir: Path, task: str, docs: Path) -> Path:
 
 def write_image_task(out: Path, n_images: int, split: str = "test") -> Path:
     """``vtprune_shapes``: ``n_images`` images of ``split`` (every question of each), in generator order."""
-    from vtprune.eval.shapes import write_split
+    from vtprune.shapes.task import write_split
 
     task_dir = _fresh_dir(out / IMAGE_TASK)
     data = task_dir / "data"
@@ -89,7 +89,7 @@ def write_video_task(out: Path, n_clips: int, split: str = "test", frame_stride:
     ``evidence_frames`` in each document are positions in the written frame list; a stride above 1 can drop
     every evidence frame of a clip (the list is then empty and the question is unanswerable).
     """
-    from vtprune.eval.shapes_video import make_video_split
+    from vtprune.shapes.video import make_video_split
 
     if frame_stride < 1:
         raise ValueError(f"frame_stride must be >= 1, got {frame_stride}.")

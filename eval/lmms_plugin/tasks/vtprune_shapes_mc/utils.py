@@ -9,7 +9,8 @@ argmin of the returned values (``acc``), so it exercises the plugin's loglikelih
 from __future__ import annotations
 
 from PIL import Image
-from vtprune.eval.shapes import COLORS, COUNT_ANSWERS, QUADRANTS, SHAPES, YES_NO
+
+from vtprune.shapes.task import COLORS, COUNT_ANSWERS, QUADRANTS, SHAPES, YES_NO
 
 CHOICES: dict[str, tuple[str, ...]] = {"color": COLORS, "shape": SHAPES, "count": COUNT_ANSWERS, "exists": YES_NO,
                                        "where": QUADRANTS}
