@@ -61,7 +61,7 @@ def test_architectures_and_versions():
 
 def lm_inputs(family: str):
     """The unwrapped embedded model's LLM-input embeddings of one test image's visual tokens ``[n, D]``."""
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     from vtprune.models.loading import load
 

@@ -79,6 +79,6 @@ def selections(llm, clear: bool = False) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def items():
     """``QUESTIONS`` (image, question) pairs of the vtprune-shapes test split."""
-    from vtprune.eval.shapes import make_split
+    from vtprune.shapes.task import make_split
 
     return [(sample.image, sample.questions[0].text) for sample in make_split("test", QUESTIONS)]
