@@ -61,9 +61,8 @@ def test_architectures_and_versions():
 
 def lm_inputs(family: str):
     """The unwrapped embedded model's LLM-input embeddings of one test image's visual tokens ``[n, D]``."""
-    from vtprune.shapes.task import make_split
-
     from vtprune.models.loading import load
+    from vtprune.shapes.task import make_split
 
     model, processor = load(f"embedded:{family}")[:2]
     sample = make_split("test", 1, offset=3)[0]
