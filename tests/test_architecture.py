@@ -109,3 +109,10 @@ def test_the_rules_on_a_synthetic_graph():
                                                       ("vtprune.cli", "vtprune.eval.bench")}
     assert rules["unclassified module"] == {("vtprune.extra", "")}
     assert ("vtprune.eval.shapes", "vtprune.cli") in rules["import cycle"]
+
+
+def test_the_readme_snippets_import_nothing_from_vtprune_eval():
+    """A user's first code imports the library and the synthetic task (vtprune.shapes), not the benchmarks."""
+    blocks = (ROOT / "README.md").read_text().split("```python")[1:]
+    lines = [line.strip() for block in blocks for line in block.split("```")[0].splitlines()]
+    assert [line for line in lines if line.startswith(("import vtprune.eval", "from vtprune.eval"))] == []
