@@ -167,7 +167,7 @@ def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
     assert code == 2 and "not supported in vLLM" in err
     monkeypatch.delenv("VTPRUNE_VLLM_PYTHON", raising=False)
     monkeypatch.setattr(serve, "VENV_PYTHON", tmp_path / "missing" / "python")
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(serve, "has_vllm", lambda: False)
     code, _, err = cli("serve")
     assert code == 2 and "bash scripts/setup_vllm.sh" in err and err.count("\n") == 1
 

@@ -45,12 +45,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=command_serve, passthrough=[])
 
 
+def has_vllm() -> bool:
+    """Whether this Python can import vLLM (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
 def vllm_python() -> str:
     """A Python that imports vLLM, or a one-line :class:`UserError` naming the install."""
     given = os.environ.get("VTPRUNE_VLLM_PYTHON")
     if given:
         return given
-    if importlib.util.find_spec("vllm") is not None:
+    if has_vllm():
         return sys.executable
     if VENV_PYTHON.exists():
         return str(VENV_PYTHON)
