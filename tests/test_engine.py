@@ -308,7 +308,7 @@ def test_segments_are_the_same_under_generate(model_type):
 
 def test_device_kept_counts_equal_the_host_rules():
     from vtprune.config import keep_count, truncated_count
-    from vtprune.state import device_kept_counts
+    from vtprune.plan import device_kept_counts
 
     n = torch.arange(0, 3000)
     keeps = [1.0, 0.5, 0.33, 0.25, 0.125, 0.11, 0.05, 0.01, 0.875, 0.625, 0.1 + 0.2]

@@ -28,19 +28,12 @@ from vtprune import decode, guards, kv, outputs, prefill
 from vtprune.adapters.base import Adapter
 from vtprune.calls import CallRegistry
 from vtprune.config import PruneConfig
+from vtprune.layout import visual_ordinals
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.debias import Debiased
 from vtprune.methods.prefixkv import profile_ratios, read_profile
 from vtprune.plan import Plan
-from vtprune.state import (
-    CallState,
-    CallStats,
-    LazySegments,
-    StageRecord,
-    Timer,
-    device_kept_counts,
-    visual_ordinals,
-)
+from vtprune.state import CallState, CallStats, LazySegments, StageRecord, Timer
 
 MAX_STATS = 1000
 RECORD_INDICES = 8
@@ -243,14 +236,6 @@ class PruneHandle:
             ordinal=visual_ordinals(visual),
             method_state=dict(pending),
         )
-
-    def plan_counts(self, call: CallState, counts: list[int]) -> None:
-        """The call's visual counts (host) and every stage's kept counts, on the host and on the device (computed
-        there with the same rounding, so no host-to-device copy)."""
-        call.visual_counts, call.stats.visual_tokens = counts, counts
-        call.planned = self.plan.kept_counts(counts) or [counts]
-        call.stage_counts = device_kept_counts(call.num_visual, [s.keep for s in self.stages],
-                                               getattr(self.plan, "counting", "round"))
 
     def _model_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         frame = self.calls.exit()

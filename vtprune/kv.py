@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vtprune.layout import repad_known, select_kept
 from vtprune.methods.prefixkv import counts_from_ratios, layer_budgets, release_kept
-from vtprune.state import CallState, DecodeRegion, repad_known, select_kept
+from vtprune.state import CallState, DecodeRegion
 
 if TYPE_CHECKING:
     from vtprune.engine import PruneHandle

@@ -1,5 +1,8 @@
 """Pure tensor functions for the sequence layout after pruning: which positions survive, masks, gathers.
 
+:func:`select_kept` picks each sample's top visual slots (``vtprune.kernels.segmented_topk``), :func:`repad`
+packs a keep mask into a padded layout, :func:`gather_tokens` slices per-position tensors to it.
+
 A *layout* describes the sequence a decoder layer sees after one or more pruning stages. Every sample
 keeps its own tokens, so the kept lengths differ per sample; the layout re-pads them on the side the
 input was padded (left padding keeps the last prompt token at index ``-1`` for ``generate``).
@@ -10,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from vtprune.kernels import segmented_topk
 
 
 @dataclass
@@ -109,3 +114,45 @@ def mask_style(incoming: object, attn_implementation: str) -> str:
     if attn_implementation.startswith("flash"):
         return "2d"
     return "float" if attn_implementation == "eager" else "bool"
+
+
+def repad_known(kept: torch.Tensor, left: bool, lengths: list[int]) -> Layout:
+    """:func:`repad` with the kept lengths ``[B]`` known on the host (no device sync)."""
+    return repad(kept, left, new_length=max(lengths, default=0))
+
+
+def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` long: the index of each visual slot among its sample's visual tokens, ``-1`` elsewhere."""
+    ordinal = visual.long().cumsum(dim=1) - 1
+    return torch.where(visual, ordinal, torch.full_like(ordinal, -1))
+
+
+def select_kept(
+    scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
+    width: int | None = None, k_max: int | None = None,
+) -> torch.Tensor:
+    """Kept mask ``[B, L]``: every valid text slot plus the top ``counts[b]`` alive visual slots by score.
+
+    scores: ``[B, L]`` float; visual / valid: ``[B, L]`` bool; counts: ``[B]`` long; ``width`` (optional,
+    host int) the largest number of alive visual slots of a sample and ``k_max`` the largest kept count:
+    given both, nothing is read back from the device. Ties go to the earlier token
+    (``vtprune.kernels.segmented_topk``).
+    """
+
+    batch, length = visual.shape
+    alive = visual & valid
+    lengths = alive.sum(dim=1)
+    if width is None:
+        width = int(lengths.max()) if batch else 0
+    width = max(width, 1)
+    order = torch.sort((~alive).to(torch.int8), dim=1, stable=True).indices[:, :width]
+    slot_valid = torch.arange(width, device=visual.device)[None, :] < lengths[:, None]
+    packed = torch.gather(scores.float(), 1, order).masked_fill(~slot_valid, 0.0)
+    k = torch.minimum(counts.to(lengths.device), lengths)
+    chosen = segmented_topk(packed, lengths, k, k_max=k_max, check=k_max is None)
+    positions = torch.gather(order, 1, chosen.clamp(min=0))
+    # Scatter without boolean indexing (no data-dependent shape): unpicked slots write to a dummy column.
+    positions = torch.where(chosen >= 0, positions, torch.full_like(positions, length))
+    chosen_mask = torch.zeros(batch, length + 1, dtype=torch.bool, device=visual.device)
+    chosen_mask.scatter_(1, positions, True)
+    return (valid & ~visual) | chosen_mask[:, :length]

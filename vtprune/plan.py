@@ -36,6 +36,11 @@ class Plan:
         count = truncated_count if self.counting == "truncate" else keep_count
         return [[count(stage.keep, n) for n in visual_counts] for stage in self.stages]
 
+    def device_kept_counts(self, num_visual: torch.Tensor) -> torch.Tensor:
+        """``[stages, B]``: :meth:`kept_counts` computed on the device of ``num_visual`` ``[B]`` (no copy from the
+        host); ``num_visual[None]`` for a plan without stages."""
+        return device_kept_counts(num_visual, [s.keep for s in self.stages], self.counting)
+
     @property
     def llm_stages(self) -> tuple[Stage, ...]:
         return tuple(s for s in self.stages if s.layer > 0)
@@ -47,6 +52,19 @@ class Plan:
     def regions(self, num_layers: int) -> list[int]:
         """For each decoder layer, how many in-LM stages it follows (0: it sees the whole prompt)."""
         return [sum(1 for s in self.llm_stages if s.layer <= i) for i in range(num_layers)]
+
+
+def device_kept_counts(num_visual: torch.Tensor, keeps: list[float], counting: str = "round") -> torch.Tensor:
+    """``[stages, B]`` kept counts computed on ``num_visual``'s device, equal to the host rules of
+    :func:`vtprune.config.keep_count` (``"round"``: ``floor(keep n + 0.5)``) and
+    :func:`vtprune.config.truncated_count` (``"truncate"``: ``int(n keep)``), both at least 1 and at most ``n``
+    (0 for ``n = 0``). float64 arithmetic, as Python's; no host-to-device copy."""
+    n = num_visual.double()
+    rows = []
+    for keep in keeps:
+        raw = torch.floor(keep * n + 0.5) if counting == "round" else torch.floor(n * keep)
+        rows.append(torch.minimum(torch.clamp(raw, min=1), n))
+    return torch.stack(rows).long() if rows else num_visual[None].long()
 
 
 def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:

@@ -13,10 +13,11 @@ from torch import nn
 
 from vtprune.errors import UserError
 from vtprune.guards import unsupported_cache_message
-from vtprune.layout import attention_mask_for, gather_tokens, mask_style
-from vtprune.methods.base import merge_step
+from vtprune.layout import Layout, attention_mask_for, gather_tokens, mask_style, repad_known, select_kept
+from vtprune.methods.base import Scorer, merge_step
+from vtprune.plan import Plan
 from vtprune.scoring import ScoreContext
-from vtprune.state import CallState, StageRecord, StageView, next_view, repad_known, select_kept
+from vtprune.state import CallState, StageRecord, StageView
 
 if TYPE_CHECKING:
     from vtprune.engine import PruneHandle
@@ -47,7 +48,7 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
         return None
     if call.cache_problem is not None:
         raise UserError(unsupported_cache_message(call.cache_problem))
-    handle.plan_counts(call, counts)
+    plan_counts(handle.plan, call, counts)
     call.left_padding = not all(first) or all(last)
     call.text_counts = [n - v for n, v in zip(lengths, call.visual_counts, strict=True)]
     view = StageView(
@@ -62,6 +63,14 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
     call.base_count = view.valid.sum(dim=1)
     call.next_stage = 1 if stages and stages[0].layer == 0 else 0
     return args, kwargs
+
+
+def plan_counts(plan: Plan, call: CallState, counts: list[int]) -> None:
+    """The call's visual counts (host) and every stage's kept counts, on the host and on the device (computed
+    there with the same rounding, so no host-to-device copy)."""
+    call.visual_counts, call.stats.visual_tokens = counts, counts
+    call.planned = plan.kept_counts(counts) or [counts]
+    call.stage_counts = plan.device_kept_counts(call.num_visual)
 
 
 def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
@@ -154,41 +163,80 @@ def context(handle: PruneHandle, call: CallState, view: StageView, hidden: torch
 def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageView, hidden: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, StageView]:
     """Keep mask ``[B, L]``, hidden states (merged if the scorer merges) and the next view of one stage."""
-    scorer, stage, index = handle.scorer, ctx.stage, ctx.stage_index
+    scores = _stage_scores(handle.scorer, call, ctx, view)
+    counts = [min(n, alive) for n, alive in zip(call.planned[ctx.stage_index], view.alive, strict=True)]
+    counts_t = torch.minimum(call.stage_counts[ctx.stage_index].to(view.valid.device), view.alive_count)
+    selected = select_kept(scores.to(view.valid.device), view.visual, view.valid, counts_t,
+                           width=max(view.alive, default=0), k_max=max(counts, default=0))
+    kept, hidden, merged = _merge(handle, ctx, selected, scores, hidden, view)
+    alive, lengths, counts_t = _kept_lengths(call, view, kept, counts, counts_t, changed=kept is not selected)
+    new = next_view(view, repad_known(kept, call.left_padding, lengths), lengths, alive, counts_t)
+    _record(handle, call, ctx, view, scores, kept, alive, merged, new)
+    return kept, hidden, new
+
+
+def _stage_scores(scorer: Scorer, call: CallState, ctx: ScoreContext, view: StageView) -> torch.Tensor:
+    """``[B, L]`` scores of the stage: those taken at its scoring layer, else scored now on ``ctx``."""
     scores = call.pending_scores
     if scores is None or scores.shape != view.valid.shape:
         scores = scorer.score(ctx)
     call.pending_scores = None
-    counts = [min(n, alive) for n, alive in zip(call.planned[index], view.alive, strict=True)]
-    device = view.valid.device
-    counts_t = torch.minimum(call.stage_counts[index].to(device), view.alive_count)
-    kept = select_kept(scores.to(device), view.visual, view.valid, counts_t,
-                       width=max(view.alive, default=0), k_max=max(counts, default=0))
-    merge, merged, changed = merge_step(scorer), None, False
-    if merge is not None:  # an explicit step after selection: a new mask may change the counts
-        before = hidden.clone() if handle.observers else None
-        selected = kept
-        kept, hidden = merge(ctx, kept, scores, hidden)
-        changed = kept is not selected  # a merge step that keeps the selection returns the same mask object
-        if before is not None and before.shape == hidden.shape:
-            merged = (hidden != before).any(dim=-1) & kept & view.visual
-    if changed:  # read the counts back (one sync, only at a stage whose merge step ran)
-        counts_t = (kept & view.visual).sum(dim=1)
-        alive, lengths = torch.stack([counts_t, kept.sum(dim=1)]).tolist()
-    else:
-        alive = counts
-        lengths = [text + n for text, n in zip(call.text_counts, counts, strict=True)]
-    layout = repad_known(kept, call.left_padding, lengths)
-    new = next_view(view, layout, lengths, alive, counts_t)
-    new.index_in_previous = layout.index
+    return scores
+
+
+def _merge(handle: PruneHandle, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
+           view: StageView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The scorer's merge step after selection, if it has one: ``(kept, hidden, merged)``; ``merged`` ``[B, L]``
+    marks the kept visual slots it rewrote (for observers; None without observers or merge step). A merge step
+    that keeps the selection returns the same mask object."""
+    merge = merge_step(handle.scorer)
+    if merge is None:
+        return kept, hidden, None
+    before = hidden.clone() if handle.observers else None
+    kept, hidden = merge(ctx, kept, scores, hidden)
+    merged = None
+    if before is not None and before.shape == hidden.shape:
+        merged = (hidden != before).any(dim=-1) & kept & view.visual
+    return kept, hidden, merged
+
+
+def _kept_lengths(call: CallState, view: StageView, kept: torch.Tensor, counts: list[int], counts_t: torch.Tensor,
+                  changed: bool) -> tuple[list[int], list[int], torch.Tensor]:
+    """Visual tokens alive per sample (host), kept lengths (host) and alive counts ``[B]`` after the stage: known on
+    the host, read back (one sync) only when a merge step changed the mask."""
+    if not changed:
+        return counts, [text + n for text, n in zip(call.text_counts, counts, strict=True)], counts_t
+    counts_t = (kept & view.visual).sum(dim=1)
+    alive, lengths = torch.stack([counts_t, kept.sum(dim=1)]).tolist()
+    return alive, lengths, counts_t
+
+
+def _record(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageView, scores: torch.Tensor,
+            kept: torch.Tensor, alive: list[int], merged: torch.Tensor | None, new: StageView) -> None:
+    """The stage in the call's statistics, and a :class:`StageRecord` for every observer."""
+    stage = ctx.stage
     call.stats.stage_layers.append(stage.layer)
     call.stats.kept.append(list(alive))
     call.stage_ordinals.append(new.ordinal)
     for observer in handle.observers:
-        observer(StageRecord(stage=stage, score_layer=scorer.score_layer(stage) if stage.layer else -1, scores=scores,
-                             kept=kept, visual=view.visual, ordinal=view.ordinal, counts=list(alive),
+        observer(StageRecord(stage=stage, score_layer=handle.scorer.score_layer(stage) if stage.layer else -1,
+                             scores=scores, kept=kept, visual=view.visual, ordinal=view.ordinal, counts=list(alive),
                              visual_tokens=call.visual_counts, merged=merged))
-    return kept, hidden, new
+
+
+def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[int],
+              alive_count: torch.Tensor) -> StageView:
+    """Compose ``view`` with the re-padded ``layout`` of a keep mask over its slots (the next stage's view)."""
+    return StageView(
+        index=torch.gather(view.index, 1, layout.index),
+        valid=layout.valid,
+        visual=torch.gather(view.visual, 1, layout.index) & layout.valid,
+        ordinal=torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1),
+        lengths=lengths,
+        alive=alive,
+        alive_count=alive_count,
+        index_in_previous=layout.index,
+    )
 
 
 def kv_priority(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):

@@ -1,4 +1,4 @@
-"""Per-call bookkeeping of the engine: the layout each layer sees, the recorded statistics, the selection.
+"""Per-call bookkeeping of the engine, data only: the layout each layer sees, the call's state, the statistics.
 
 A :class:`CallState` lives from a prefill to the end of its decoding. Its prefill-only part (the call's
 inputs, scores, the method's captures, the per-stage layer arguments) is dropped as soon as the prefill
@@ -15,8 +15,6 @@ from typing import Any
 import torch
 
 from vtprune.adapters.base import VisualSegment
-from vtprune.kernels import segmented_topk
-from vtprune.layout import Layout, gather_tokens, repad
 
 
 @dataclass
@@ -46,7 +44,7 @@ class CallStats:
             ordinals, event = self._pending
             if event is not None:
                 event.synchronize()
-            self._kept_indices, self._pending = kept_ordinals(ordinals), None
+            self._kept_indices, self._pending = self.sorted_ordinals(ordinals), None
         return self._kept_indices
 
     @kept_indices.setter
@@ -68,6 +66,24 @@ class CallStats:
             event.record()
             ordinals = copies
         self._pending = (list(ordinals), event)
+
+    @staticmethod
+    def sorted_ordinals(ordinals: list[torch.Tensor]) -> list[list[list[int]]]:
+        """``[stage][sample]`` sorted visual ordinals alive after each stage (one host transfer for all stages).
+
+        ordinals: per stage, ``[B, L_s]`` long, the visual ordinal of each slot of the stage's view (``-1``: none).
+        """
+        if not ordinals:
+            return []
+        widths = [o.shape[1] for o in ordinals]
+        rows = torch.cat(ordinals, dim=1).tolist()
+        result: list[list[list[int]]] = [[] for _ in widths]
+        for row in rows:
+            start = 0
+            for stage, width in enumerate(widths):
+                result[stage].append(sorted(x for x in row[start:start + width] if x >= 0))
+                start += width
+        return result
 
     @property
     def forward_ms(self) -> float | None:
@@ -235,95 +251,3 @@ class LazySegments(Sequence):
 
     def __len__(self) -> int:
         return len(self._get())
-
-
-def device_kept_counts(num_visual: torch.Tensor, keeps: list[float], counting: str = "round") -> torch.Tensor:
-    """``[stages, B]`` kept counts computed on ``num_visual``'s device, equal to the host rules of
-    :func:`vtprune.config.keep_count` (``"round"``: ``floor(keep n + 0.5)``) and
-    :func:`vtprune.config.truncated_count` (``"truncate"``: ``int(n keep)``), both at least 1 and at most ``n``
-    (0 for ``n = 0``). float64 arithmetic, as Python's; no host-to-device copy."""
-    n = num_visual.double()
-    rows = []
-    for keep in keeps:
-        raw = torch.floor(keep * n + 0.5) if counting == "round" else torch.floor(n * keep)
-        rows.append(torch.minimum(torch.clamp(raw, min=1), n))
-    return torch.stack(rows).long() if rows else num_visual[None].long()
-
-
-def visual_ordinals(visual: torch.Tensor) -> torch.Tensor:
-    """``[B, L]`` long: the index of each visual slot among its sample's visual tokens, ``-1`` elsewhere."""
-    ordinal = visual.long().cumsum(dim=1) - 1
-    return torch.where(visual, ordinal, torch.full_like(ordinal, -1))
-
-
-def select_kept(
-    scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
-    width: int | None = None, k_max: int | None = None,
-) -> torch.Tensor:
-    """Kept mask ``[B, L]``: every valid text slot plus the top ``counts[b]`` alive visual slots by score.
-
-    scores: ``[B, L]`` float; visual / valid: ``[B, L]`` bool; counts: ``[B]`` long; ``width`` (optional,
-    host int) the largest number of alive visual slots of a sample and ``k_max`` the largest kept count:
-    given both, nothing is read back from the device. Ties go to the earlier token
-    (``vtprune.kernels.segmented_topk``).
-    """
-
-    batch, length = visual.shape
-    alive = visual & valid
-    lengths = alive.sum(dim=1)
-    if width is None:
-        width = int(lengths.max()) if batch else 0
-    width = max(width, 1)
-    order = torch.sort((~alive).to(torch.int8), dim=1, stable=True).indices[:, :width]
-    slot_valid = torch.arange(width, device=visual.device)[None, :] < lengths[:, None]
-    packed = torch.gather(scores.float(), 1, order).masked_fill(~slot_valid, 0.0)
-    k = torch.minimum(counts.to(lengths.device), lengths)
-    chosen = segmented_topk(packed, lengths, k, k_max=k_max, check=k_max is None)
-    positions = torch.gather(order, 1, chosen.clamp(min=0))
-    # Scatter without boolean indexing (no data-dependent shape): unpicked slots write to a dummy column.
-    positions = torch.where(chosen >= 0, positions, torch.full_like(positions, length))
-    chosen_mask = torch.zeros(batch, length + 1, dtype=torch.bool, device=visual.device)
-    chosen_mask.scatter_(1, positions, True)
-    return (valid & ~visual) | chosen_mask[:, :length]
-
-
-def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[int],
-              alive_count: torch.Tensor) -> StageView:
-    """Compose ``view`` with the re-padded ``layout`` of a keep mask over its slots (the next stage's view)."""
-    return StageView(
-        index=torch.gather(view.index, 1, layout.index),
-        valid=layout.valid,
-        visual=torch.gather(view.visual, 1, layout.index) & layout.valid,
-        ordinal=torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1),
-        lengths=lengths,
-        alive=alive,
-        alive_count=alive_count,
-    )
-
-
-def gather_view(tensor: torch.Tensor, view: StageView, dim: int = 1) -> torch.Tensor:
-    """Slice a per-position tensor of the LM input (``[B, L, ...]`` or ``[.., B, L]``) to ``view``."""
-    return gather_tokens(tensor, view.index, dim)
-
-
-def kept_ordinals(ordinals: list[torch.Tensor]) -> list[list[list[int]]]:
-    """``[stage][sample]`` sorted visual ordinals alive after each stage (one host transfer for all stages).
-
-    ordinals: per stage, ``[B, L_s]`` long, the visual ordinal of each slot of the stage's view (``-1``: none).
-    """
-    if not ordinals:
-        return []
-    widths = [o.shape[1] for o in ordinals]
-    rows = torch.cat(ordinals, dim=1).tolist()
-    result: list[list[list[int]]] = [[] for _ in widths]
-    for row in rows:
-        start = 0
-        for stage, width in enumerate(widths):
-            result[stage].append(sorted(x for x in row[start:start + width] if x >= 0))
-            start += width
-    return result
-
-
-def repad_known(kept: torch.Tensor, left: bool, lengths: list[int]) -> Layout:
-    """:func:`vtprune.layout.repad` with the kept lengths known on the host (no device sync)."""
-    return repad(kept, left, new_length=max(lengths, default=0))
