@@ -44,3 +44,45 @@ def test_the_stage_step_is_short():
     """``prefill.select`` is a stage step of at most 25 lines; its jobs are named functions."""
     select = next(node for node in _tree("prefill").body if isinstance(node, ast.FunctionDef) and node.name == "select")
     assert select.end_lineno - select.lineno + 1 <= 25
+
+
+ENGINE_PARTS = ("prefill", "decode", "kv", "guards")
+KV_SETTINGS = {"retains_kv", "scope", "start", "distance", "decode", "profile", "counting"}
+
+
+def test_the_engine_parts_never_see_the_handle():
+    """prefill / decode / kv / guards import nothing of ``vtprune.engine`` (``TYPE_CHECKING`` included) and no
+    function of theirs takes a ``PruneHandle``: they take the plan's ``Wiring`` (or the plan) and the call."""
+    for part in ENGINE_PARTS:
+        tree = _tree(part)
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        handles = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+                   for arg in node.args.args if arg.annotation is not None and "PruneHandle" in ast.unparse(arg.annotation)]
+        assert "vtprune.engine" not in imported and handles == [], (part, handles)
+
+
+def test_the_engine_reads_kv_retention_off_the_plan_only():
+    """No engine module reads a KV-retention setting off the scorer (``scorer.scope``, ``getattr(scorer, "profile")``)."""
+    reads = []
+    for part in ("engine", *ENGINE_PARTS):
+        for node in ast.walk(_tree(part)):
+            if isinstance(node, ast.Attribute) and node.attr in KV_SETTINGS and "scorer" in ast.unparse(node.value):
+                reads.append(f"{part}: {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "getattr" and len(node.args) > 1:
+                name = node.args[1]
+                if isinstance(name, ast.Constant) and name.value in KV_SETTINGS and "scorer" in ast.unparse(node.args[0]):
+                    reads.append(f"{part}: {ast.unparse(node)}")
+    assert reads == []
+
+
+def test_the_plan_carries_the_scorers_kv_retention():
+    import vtprune
+    from vtprune.methods.base import KVRetention
+    from vtprune.models.tiny import tiny_model
+
+    model, _ = tiny_model("llava", "sdpa", image_size=112)
+    with vtprune.apply(model, "prefixkv", keep=0.5, scope="prompt", start=2) as handle:
+        assert handle.plan.kv.retention == KVRetention(scope="prompt", start=2) == handle.scorer.kv_retention()
+        assert (handle.plan.kv.keep, handle.plan.kv.ratios, handle.retains_kv) == (0.5, None, True)
+    with vtprune.apply(model, "fastv", keep=0.5) as handle:
+        assert handle.plan.kv is None and handle.scorer.kv_retention() is None and not handle.retains_kv

@@ -6,15 +6,14 @@ masks are built once per step and region and shared by the region's layers, and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from vtprune.adapters.base import Adapter
 from vtprune.layout import attention_mask_for, mask_style
+from vtprune.plan import Wiring
 from vtprune.state import CallState
-
-if TYPE_CHECKING:
-    from vtprune.engine import PruneHandle
 
 
 def lm_kwargs(call: CallState, kwargs: dict) -> dict:
@@ -51,22 +50,22 @@ def lm_kwargs(call: CallState, kwargs: dict) -> dict:
     return kwargs
 
 
-def layer_kwargs(handle: PruneHandle, call: CallState, index: int, args: tuple, kwargs: dict
+def layer_kwargs(wiring: Wiring, call: CallState, index: int, args: tuple, kwargs: dict
                  ) -> tuple[tuple, dict] | None:
     """Decoder-layer pre-hook while decoding: the mask (and compact positions) of the layer's stage region."""
-    region = handle.region_of_layer[index]
+    region = wiring.region_of_layer[index]
     if region == 0 or region > len(call.regions):
         return None
     update = call.step.get(region)
     if update is None:
         hidden = args[0] if args else kwargs["hidden_states"]
-        update = _region_update(handle, call, region, hidden.shape[1], kwargs)
+        update = _region_update(wiring.adapter, call, region, hidden.shape[1], kwargs)
         call.step[region] = update
     kwargs.update(update)
     return args, kwargs
 
 
-def _region_update(handle: PruneHandle, call: CallState, region: int, new_tokens: int, kwargs: dict
+def _region_update(adapter: Adapter, call: CallState, region: int, new_tokens: int, kwargs: dict
                    ) -> dict[str, Any]:
     """Keyword arguments every layer of ``region`` gets in this step (built once per step and region)."""
     entry = call.regions[region - 1]
@@ -80,14 +79,14 @@ def _region_update(handle: PruneHandle, call: CallState, region: int, new_tokens
             columns = torch.ones(entry.valid.shape[0], call.decoded + new_tokens, dtype=torch.bool,
                                  device=entry.valid.device)
         kv_valid = torch.cat([entry.valid, columns.to(entry.valid.device)], dim=1)
-        style = mask_style(incoming, handle.adapter.attn_implementation)
+        style = mask_style(incoming, adapter.attn_implementation)
         dtype = incoming.dtype if isinstance(incoming, torch.Tensor) else torch.float32
         update["attention_mask"] = attention_mask_for(kv_valid, new_tokens, style, dtype)
     embeddings = kwargs.get("position_embeddings")
     if entry.removed is not None and embeddings is not None:
         positions = kwargs.get("position_ids")
         compact = positions - entry.removed.to(positions.device)
-        update["position_embeddings"] = handle.adapter.language_model.rotary_emb(embeddings[0], compact)
+        update["position_embeddings"] = adapter.language_model.rotary_emb(embeddings[0], compact)
         update["position_ids"] = compact
     return update
 

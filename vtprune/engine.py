@@ -31,8 +31,7 @@ from vtprune.config import PruneConfig
 from vtprune.layout import visual_ordinals
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.debias import Debiased
-from vtprune.methods.prefixkv import profile_ratios, read_profile
-from vtprune.plan import Plan
+from vtprune.plan import Plan, Wiring
 from vtprune.state import CallState, CallStats, LazySegments, StageRecord, Timer
 
 MAX_STATS = 1000
@@ -59,17 +58,24 @@ class PruneHandle:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._guards: list[Any] = []
         self._warned_training = False
-        self.retains_kv = bool(getattr(self.scorer, "retains_kv", False))
-        self.kv_ratios = kv_profile(self.scorer, adapter, config.keep) if self.retains_kv else None
-        layers = range(adapter.num_layers)
-        self.score_layers = set(layers) if self.retains_kv else plan.score_layers()
-        self.region_of_layer = [i + 1 for i in layers] if self.retains_kv else plan.regions(adapter.num_layers)
+        self.wiring = Wiring(plan, adapter, self.observers)  # what prefill / decode / kv read (never the handle)
         self._register()
 
     @property
     def method(self) -> Scorer:
         """The scorer (the name before 0.2)."""
         return self.scorer
+
+    @property
+    def retains_kv(self) -> bool:
+        """Whether the plan retains KV entries (PrefixKV) instead of pruning the sequence."""
+        return self.plan.kv is not None
+
+    @property
+    def kv_ratios(self) -> list[float] | None:
+        """Per-layer eviction ratios of a KV-retention profile at this budget, or None (decided per call)."""
+        kv = self.plan.kv
+        return None if kv is None or kv.ratios is None else list(kv.ratios)
 
     # -- public API ------------------------------------------------------------------------------------
     @property
@@ -125,7 +131,7 @@ class PruneHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        guards.uninstall(self, self._guards)
+        guards.uninstall(self.model, self._guards)
         self._guards.clear()
         self.calls.clear()
         if getattr(self.model, "_vtprune_handle", None) is self:
@@ -164,11 +170,11 @@ class PruneHandle:
         self._hooks.append(model.register_forward_hook(post, with_kwargs=True, always_call=True))
         lm = self.adapter.language_model
         self._hooks.append(lm.register_forward_pre_hook(EagerHook(self._lm_pre_hook), with_kwargs=True))
-        if getattr(self.config, "logits", "input") == "input" and not self.retains_kv:
+        if self.config.logits == "input" and self.plan.kv is None:
             self._hooks.append(lm.register_forward_hook(EagerHook(self._lm_post_hook), with_kwargs=True))
-        first = 0 if self.retains_kv else min((s.layer for s in self.plan.llm_stages), default=None)
+        first, score_layers = self.plan.first_pruned_layer(), self.plan.score_layers(self.adapter.num_layers)
         for index, layer in enumerate(self.adapter.decoder_layers):
-            if index in self.score_layers or (first is not None and index >= first):
+            if index in score_layers or (first is not None and index >= first):
                 hook = layer.register_forward_pre_hook(EagerHook(LayerHook(self, index)), with_kwargs=True)
                 self._hooks.append(hook)
         for capture in captures:
@@ -177,7 +183,7 @@ class PruneHandle:
                 self._hooks.append(capture.module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._hooks.append(capture.module.register_forward_hook(hook, with_kwargs=True))
-        self._guards = guards.install(self)
+        self._guards = guards.install(self.model, self.calls)
 
     # -- whole-model hooks --------------------------------------------------------------------------
     def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -246,7 +252,7 @@ class PruneHandle:
             step = kwargs.get("input_ids", args[0] if args else None)
             call.decoded += step.shape[1] if step is not None else 1
             if call.kv_decode is not None and output is not None:
-                kv.release_step(self, call)
+                kv.release_step(self.plan.kv, call)
             return
         self._finish_prefill(call, kwargs, output)
 
@@ -257,11 +263,11 @@ class PruneHandle:
             stats.timer.stop()
         ran = bool(call.views)
         cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
-        if ran and cache is not None and self.retains_kv:
-            kv.evict(self, call, cache)
+        if ran and cache is not None and self.plan.kv is not None:
+            kv.evict(self.wiring, call, cache)
         # KV retention without a cache (use_cache=False) evicted nothing: no stats. A plan without stages
         # (method none) records its call, with every visual token kept, as the baseline of a comparison.
-        pruned = bool(stats.stage_layers) or not self.retains_kv
+        pruned = bool(stats.stage_layers) or self.plan.kv is None
         if output is not None and call.views and pruned:
             outputs.attach_positions(output, _kept_positions(call))
             stats.defer_kept_indices(call.stage_ordinals)
@@ -287,8 +293,8 @@ class PruneHandle:
             return None
         if call.decoding:
             return args, decode.lm_kwargs(call, kwargs)
-        result = prefill.lm_input(self, call, args, kwargs)
-        if not call.abandoned and not self.retains_kv:
+        result = prefill.lm_input(self.wiring, call, args, kwargs)
+        if not call.abandoned and self.plan.kv is None:
             outputs.check_labels(self.config.logits, call.inputs)
         return result
 
@@ -336,13 +342,14 @@ class LayerHook:
         call = self.handle.calls.current()
         if call is None:
             return None
+        wiring = self.handle.wiring
         if call.decoding:
-            return decode.layer_kwargs(self.handle, call, self.index, args, kwargs)
+            return decode.layer_kwargs(wiring, call, self.index, args, kwargs)
         if not call.views:
             return None
-        if self.handle.retains_kv:
-            return prefill.kv_priority(self.handle, call, self.index, module, args, kwargs)
-        return prefill.layer(self.handle, call, self.index, module, args, kwargs)
+        if wiring.plan.kv is not None:
+            return prefill.kv_priority(wiring, call, self.index, module, args, kwargs)
+        return prefill.layer(wiring, call, self.index, module, args, kwargs)
 
 
 class CaptureHook:
@@ -355,14 +362,6 @@ class CaptureHook:
         state = self.handle.call_state(outside=self.capture.outside_forward)
         if state is not None:
             self.capture.fn(state, module, args, kwargs, output)
-
-
-def kv_profile(scorer: Scorer, adapter: Adapter, keep: float) -> list[float] | None:
-    """Per-layer eviction ratios from a KV-retention scorer's profile file, or None (decided per call)."""
-    if getattr(scorer, "profile", None) is None:
-        return None
-    budgets = read_profile(scorer.profile, adapter.config.model_type, adapter.num_layers, scorer.scope)
-    return profile_ratios(budgets, keep, f"profile {scorer.profile!r}")
 
 
 def _kept_positions(call: CallState) -> torch.Tensor:

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vtprune.calls import CallRegistry
 from vtprune.errors import UserError
-
-if TYPE_CHECKING:
-    from vtprune.engine import PruneHandle
 
 PIXEL_KEYS = ("pixel_values", "pixel_values_videos")
 ASSISTED = {
@@ -65,13 +63,13 @@ def _option(model: Any, kwargs: dict, name: str) -> Any:
     return getattr(config, name, None)
 
 
-def generate_problem(handle: PruneHandle, kwargs: dict) -> str | None:
-    """A one-line error for a ``generate()`` call that would prune with a decoding path vtprune cannot keep
-    exact, or None. Only calls that prune (images, or a cache continuing a pruned call) are checked."""
-    model = handle.model
+def generate_problem(model: Any, calls: CallRegistry, kwargs: dict) -> str | None:
+    """A one-line error for a ``generate()`` call of ``model`` that would prune with a decoding path vtprune
+    cannot keep exact, or None. Only calls that prune (images, or a cache continuing a call of ``calls``) are
+    checked."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     prunes = any(kwargs.get(k) is not None for k in PIXEL_KEYS) or (
-        cache is not None and handle.calls.lookup(cache) is not None)
+        cache is not None and calls.lookup(cache) is not None)
     if not prunes:
         return None
     if _option(model, kwargs, "use_cache") is False:
@@ -101,11 +99,13 @@ def generate_problem(handle: PruneHandle, kwargs: dict) -> str | None:
 
 
 class _Guard:
-    """A callable wrapping one bound method of one model instance; copying or pickling it is refused."""
+    """A callable wrapping one bound method of one model instance; copying or pickling it is refused. ``calls``:
+    the wrapping's per-call state (None once removed: the guard then passes every call through)."""
 
-    def __init__(self, handle: PruneHandle, wrapped: Any) -> None:
+    def __init__(self, model: Any, calls: CallRegistry, wrapped: Any) -> None:
         functools.update_wrapper(self, wrapped)  # name, docstring and ``__wrapped__`` (inspect.signature)
-        self.handle: PruneHandle | None = handle
+        self.model = model
+        self.calls: CallRegistry | None = calls
         self.wrapped = wrapped
         self.name: str = ""
         self.previous: Any = None
@@ -122,13 +122,13 @@ class ForwardGuard(_Guard):
     miss), close the frame the pre-hook opened for this forward (and any inner one) and release the lock."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.handle
-        frame = handle.calls.claim() if handle is not None else None
+        calls = self.calls
+        frame = calls.claim() if calls is not None else None
         try:
             return self.wrapped(*args, **kwargs)
         except BaseException as error:
             if frame is not None and not isinstance(error, Exception):
-                handle.calls.unwind(frame)
+                calls.unwind(frame)
             raise
 
 
@@ -136,44 +136,44 @@ class GenerateGuard(_Guard):
     """The model's ``generate``: refuse unsupported decoding paths at the call; record a follow-up's length."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.handle
-        if handle is None:
+        calls = self.calls
+        if calls is None:
             return self.wrapped(*args, **kwargs)
-        problem = generate_problem(handle, kwargs)
+        problem = generate_problem(self.model, calls, kwargs)
         if problem is not None:
             raise UserError(problem)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         tokens = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
-        if cache is None or tokens is None or handle.calls.lookup(cache) is None:
+        if cache is None or tokens is None or calls.lookup(cache) is None:
             return self.wrapped(*args, **kwargs)
-        with handle.calls.continuing(cache, tokens.shape[1]):
+        with calls.continuing(cache, tokens.shape[1]):
             return self.wrapped(*args, **kwargs)
 
 
-def install(handle: PruneHandle) -> list[weakref.ref]:
-    """Put the two guards on ``handle.model`` (instance attributes). Returns weak references for :func:`uninstall`:
-    the model holds its guards, the handle does not (nothing of transformers' is reachable from the handle)."""
-    model, installed = handle.model, []
+def install(model: Any, calls: CallRegistry) -> list[weakref.ref]:
+    """Put the two guards on ``model`` (instance attributes), serving the wrapping whose per-call state is
+    ``calls``. Returns weak references for :func:`uninstall`: the model holds its guards, the handle does not
+    (nothing of transformers' is reachable from the handle)."""
+    installed = []
     for name, kind in (("forward", ForwardGuard), ("generate", GenerateGuard)):
         if not callable(getattr(model, name, None)):
             continue
-        guard = kind(handle, getattr(model, name))
+        guard = kind(model, calls, getattr(model, name))
         guard.name, guard.previous = name, model.__dict__.get(name)  # an instance attribute (accelerate's forward)
         object.__setattr__(model, name, guard)
         installed.append(weakref.ref(guard))
     return installed
 
 
-def uninstall(handle: PruneHandle, installed: list[weakref.ref]) -> None:
+def uninstall(model: Any, installed: list[weakref.ref]) -> None:
     """Restore the model's own attributes; a guard that something else wrapped since becomes a pass-through."""
-    model = handle.model
     for ref in reversed(installed):
         guard = ref()
         if guard is None:
             continue
-        guard.handle = None
+        guard.calls = None
         if model.__dict__.get(guard.name) is guard:
             if guard.previous is None:
                 del model.__dict__[guard.name]

@@ -10,16 +10,14 @@ shorter cache exactly as the in-LM stages do.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from vtprune.layout import repad_known, select_kept
 from vtprune.methods.prefixkv import counts_from_ratios, layer_budgets, release_kept
+from vtprune.plan import KVPlan, Wiring
 from vtprune.state import CallState, DecodeRegion
-
-if TYPE_CHECKING:
-    from vtprune.engine import PruneHandle
 
 
 def evictable_mask(view: Any, scope: str, start: int) -> torch.Tensor:
@@ -32,7 +30,7 @@ def evictable_mask(view: Any, scope: str, start: int) -> torch.Tensor:
     return view.valid & (rank > start) & ~last
 
 
-def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch.Tensor, valid: torch.Tensor
+def layer_counts(kv: KVPlan, priorities: torch.Tensor, evictable: torch.Tensor, valid: torch.Tensor
                  ) -> tuple[list[list[int]], list[int], list[int]]:
     """``[layer][sample]`` evictable tokens each layer keeps, ``[sample]`` prompt tokens always kept and
     ``[sample]`` evictable tokens.
@@ -41,43 +39,43 @@ def layer_counts(handle: PruneHandle, priorities: torch.Tensor, evictable: torch
     :func:`layer_budgets` reads values in a loop, so it runs on the host copy).
     """
     layers = priorities.shape[0]
-    search = handle.kv_ratios is None and handle.config.keep < 1.0
+    search = kv.ratios is None and kv.keep < 1.0
     rows = [evictable.float(), valid.float()] + ([priorities.float().reshape(-1, priorities.shape[-1])]
                                                  if search else [])
     host = torch.cat(rows).numpy(force=True)
     batch = evictable.shape[0]
     mask, fixed = host[:batch] > 0, (host[batch:2 * batch] > 0) & ~(host[:batch] > 0)
     counts, text = mask.sum(axis=1).tolist(), fixed.sum(axis=1).tolist()
-    if getattr(handle.scorer, "counting", "exact") == "release":  # parity="release": the release's counts
-        per_sample = _release_counts(handle, host, counts, layers, search)
-    elif handle.kv_ratios is not None:
-        per_sample = [counts_from_ratios(handle.kv_ratios, n) for n in counts]
+    if kv.retention.counting == "release":  # parity="release": the release's counts
+        per_sample = _release_counts(kv, host, counts, layers, search)
+    elif kv.ratios is not None:
+        per_sample = [counts_from_ratios(kv.ratios, n) for n in counts]
     elif not search:
         per_sample = [[n] * layers for n in counts]
     else:
         scores = host[2 * batch:].reshape(layers, batch, -1)
-        per_sample = [layer_budgets(scores[:, b][:, mask[b]], handle.config.keep) for b in range(batch)]
+        per_sample = [layer_budgets(scores[:, b][:, mask[b]], kv.keep) for b in range(batch)]
     return [[per_sample[b][layer] for b in range(batch)] for layer in range(layers)], text, counts
 
 
-def _release_counts(handle: PruneHandle, host: Any, counts: list[int], layers: int, search: bool) -> list[list[int]]:
+def _release_counts(kv: KVPlan, host: Any, counts: list[int], layers: int, search: bool) -> list[list[int]]:
     """Per sample, the release's per-layer counts (:func:`release_kept`) over its whole unpadded prompt; host:
     the rows of :func:`layer_counts` (evictable ``[B, L]``, valid ``[B, L]``, then the priorities if searched)."""
     batch = len(counts)
     valid = host[batch:2 * batch] > 0
-    if not search and handle.kv_ratios is None:
+    if not search and kv.ratios is None:
         return [[n] * layers for n in counts]  # keep = 1: nothing is evicted
     scores = host[2 * batch:].reshape(layers, batch, -1) if search else None
-    return [release_kept(int(valid[b].sum()), n, handle.config.keep, ratios=handle.kv_ratios,
+    return [release_kept(int(valid[b].sum()), n, kv.keep, ratios=kv.ratios,
                          priority=None if scores is None else scores[:, b][:, valid[b]]) for b, n in enumerate(counts)]
 
 
-def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
+def evict(wiring: Wiring, call: CallState, cache: Any) -> None:
     """Shrink every layer of ``cache`` to its kept entries and set the call's per-layer decode regions."""
-    view = call.views[0]
-    priorities = torch.stack([call.method_state["kv_priority"][i] for i in range(handle.adapter.num_layers)])
-    evictable = evictable_mask(view, handle.scorer.scope, handle.scorer.start)
-    counts, text, evictable_counts = layer_counts(handle, priorities, evictable, view.valid)
+    view, kv = call.views[0], wiring.plan.kv
+    priorities = torch.stack([call.method_state["kv_priority"][i] for i in range(wiring.adapter.num_layers)])
+    evictable = evictable_mask(view, kv.retention.scope, kv.retention.start)
+    counts, text, evictable_counts = layer_counts(kv, priorities, evictable, view.valid)
     width = max(evictable_counts, default=0)
     device_counts = torch.tensor(counts, device=evictable.device)  # [layers, B]
     regions, ordinals, visual_kept = [], [], []
@@ -92,19 +90,19 @@ def evict(handle: PruneHandle, call: CallState, cache: Any) -> None:
         padded = min(lengths, default=0) != layout.index.shape[1]
         regions.append(DecodeRegion(valid=layout.valid, padded=padded))
         ordinals.append(torch.where(layout.valid, torch.gather(view.ordinal, 1, layout.index), -1))
-        if handle.scorer.scope != "visual":
+        if kv.retention.scope != "visual":
             visual_kept.append((kept & view.visual).sum(dim=1))
     call.stats.stage_layers, call.stats.retained_kv = list(range(len(regions))), True
     # visual tokens in each layer's cache, per sample (known on the host when only visual tokens are evictable)
-    call.stats.kept = counts if handle.scorer.scope == "visual" else torch.stack(visual_kept).tolist()
+    call.stats.kept = counts if kv.retention.scope == "visual" else torch.stack(visual_kept).tolist()
     call.stage_ordinals = ordinals
     call.regions = regions
     call.pre_llm_valid, call.pre_llm_padded = regions[0].valid, True  # layer 0 sizes transformers' masks
-    if handle.kv_ratios is not None and handle.scorer.decode == "release":
-        call.kv_decode = release_state(handle, view, counts, text, regions)
+    if kv.ratios is not None and kv.retention.decode == "release":
+        call.kv_decode = release_state(kv, view, counts, text, regions)
 
 
-def release_state(handle: PruneHandle, view: Any, counts: list[list[int]], text: list[int],
+def release_state(kv: KVPlan, view: Any, counts: list[list[int]], text: list[int],
                   regions: list[DecodeRegion]) -> dict:
     """Per layer: where the next decode-time eviction lands (``distance`` before the end of the compressed
     prompt, then the entries after it), the tokens each sample has seen and its cache length."""
@@ -114,17 +112,17 @@ def release_state(handle: PruneHandle, view: Any, counts: list[list[int]], text:
         width = region.valid.shape[1]
         slots = torch.arange(width, device=region.valid.device).expand_as(region.valid)
         end = torch.where(region.valid, slots + 1, 0).max(dim=1).values  # one past the last kept slot
-        pointers.append((end + handle.scorer.distance).clamp(min=0))
+        pointers.append((end + kv.retention.distance).clamp(min=0))
         kept.append(torch.tensor([t + n for t, n in zip(text, counts[index], strict=True)], device=seen.device))
     return {"seen": seen, "pointers": pointers, "kept": kept, "evicted": [torch.zeros_like(seen) for _ in regions]}
 
 
-def release_step(handle: PruneHandle, call: CallState) -> None:
+def release_step(kv: KVPlan, call: CallState) -> None:
     """After a decode step: mask, per layer, the entry the release policy evicts when the cache holds more than
     ``(1 - ratio_l)`` of the tokens seen (no device sync; at most one entry per layer and step)."""
     state = call.kv_decode
     seen = state["seen"] + call.decoded
-    for index, (ratio, region) in enumerate(zip(handle.kv_ratios, call.regions, strict=True)):
+    for index, (ratio, region) in enumerate(zip(kv.ratios, call.regions, strict=True)):
         allowed = torch.ceil((1.0 - ratio) * seen.double()).long()
         over = state["kept"][index] + call.decoded - state["evicted"][index] > allowed
         pointer = state["pointers"][index].clamp(max=region.valid.shape[1] - 1)

@@ -1,14 +1,18 @@
-"""The frozen plan of a wrapped model: the scorer and its stages, checked once at wrap time.
+"""The frozen plan of a wrapped model: the scorer and its stages, checked once at wrap time, and the
+:class:`Wiring` the engine's parts read (the plan with its adapter).
 
-``keep`` flows one way: :class:`~vtprune.config.PruneConfig` -> :func:`make_plan` (the stages) ->
-:meth:`Plan.kept_counts` (per stage and sample, the one rounding rule :func:`~vtprune.config.keep_count`, or
-under ``parity="release"`` the method's released rule) -> the engine (one host-to-device copy per call) ->
-``segmented_topk`` -> the layout.
+``keep`` flows one way: :class:`~vtprune.config.PruneConfig` -> :func:`make_plan` (the stages, or a KV
+retention's budget) -> :meth:`Plan.count` (per stage and sample, the one rounding rule
+:func:`~vtprune.config.keep_count`, or under ``parity="release"`` the method's released rule; a group's quota
+comes from it through ``ScoreContext.kept_count``) -> the engine (counts computed on the device, no copy) ->
+``segmented_topk`` -> the layout. Nothing after the plan reads ``PruneConfig.keep``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,25 +20,42 @@ from vtprune.adapters.base import Adapter
 from vtprune.config import PruneConfig, Stage, keep_count, truncated_count, validate_stages
 from vtprune.kernels import check_environment as check_kernel_environment
 from vtprune.methods import release
-from vtprune.methods.base import Scorer
+from vtprune.methods.base import KVRetention, Scorer
+from vtprune.methods.prefixkv import profile_ratios, read_profile
 
 PRE_LLM_BLOCKERS = frozenset({"attention", "llm_layers"})
 
 
 @dataclass(frozen=True)
+class KVPlan:
+    """KV retention of a plan: the scorer's :class:`~vtprune.methods.base.KVRetention`, the budget ``keep`` (the
+    share of the evictable entries the layers keep, on average over the layers) and the per-layer eviction
+    ``ratios`` of the retention's profile at that budget (None: the counts are searched per call)."""
+
+    retention: KVRetention
+    keep: float
+    ratios: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
-    """What a wrapped model does at every prefill: ``scorer`` ranks the visual tokens at each of ``stages``."""
+    """What a wrapped model does at every prefill: ``scorer`` ranks the visual tokens at each of ``stages``, or,
+    with ``kv`` (KV retention), gives every layer's cache its own kept entries."""
 
     scorer: Scorer
     stages: tuple[Stage, ...]
     positions: str = "original"
     counting: str = "round"
+    kv: KVPlan | None = None
+
+    def count(self, keep: float, n: int) -> int:
+        """Visual tokens kept of ``n`` at fraction ``keep``: ``keep_count`` (``counting="round"``) or
+        ``truncated_count`` (``"truncate"``, a release's ``int(n * keep)``). A group's quota uses it too."""
+        return truncated_count(keep, n) if self.counting == "truncate" else keep_count(keep, n)
 
     def kept_counts(self, visual_counts: list[int]) -> list[list[int]]:
-        """``[stage][sample]`` visual tokens kept of each sample's ``n``: ``keep_count(stage.keep, n)``
-        (``counting="round"``) or ``truncated_count`` (``"truncate"``, a release's ``int(n * keep)``)."""
-        count = truncated_count if self.counting == "truncate" else keep_count
-        return [[count(stage.keep, n) for n in visual_counts] for stage in self.stages]
+        """``[stage][sample]`` visual tokens kept of each sample's ``n`` (:meth:`count`)."""
+        return [[self.count(stage.keep, n) for n in visual_counts] for stage in self.stages]
 
     def device_kept_counts(self, num_visual: torch.Tensor) -> torch.Tensor:
         """``[stages, B]``: :meth:`kept_counts` computed on the device of ``num_visual`` ``[B]`` (no copy from the
@@ -45,13 +66,47 @@ class Plan:
     def llm_stages(self) -> tuple[Stage, ...]:
         return tuple(s for s in self.stages if s.layer > 0)
 
-    def score_layers(self) -> set[int]:
-        """Decoder layers whose input is scored (a stage at layer K scores layer ``K - score_offset``)."""
+    def score_layers(self, num_layers: int) -> set[int]:
+        """Decoder layers whose input is scored (a stage at layer K scores layer ``K - score_offset``; every
+        layer under KV retention)."""
+        if self.kv is not None:
+            return set(range(num_layers))
         return {self.scorer.score_layer(s) for s in self.llm_stages}
 
+    def first_pruned_layer(self) -> int | None:
+        """The first decoder layer that sees a pruned sequence or cache (0 under KV retention), or None."""
+        return 0 if self.kv is not None else min((s.layer for s in self.llm_stages), default=None)
+
     def regions(self, num_layers: int) -> list[int]:
-        """For each decoder layer, how many in-LM stages it follows (0: it sees the whole prompt)."""
+        """For each decoder layer, its decode region: how many in-LM stages it follows (0: it sees the whole
+        prompt); under KV retention every layer is its own region (``layer + 1``)."""
+        if self.kv is not None:
+            return [i + 1 for i in range(num_layers)]
         return [sum(1 for s in self.llm_stages if s.layer <= i) for i in range(num_layers)]
+
+
+@dataclass(frozen=True)
+class Wiring:
+    """What the engine's parts (:mod:`vtprune.prefill`, :mod:`vtprune.decode`, :mod:`vtprune.kv`) read of one
+    wrapped model, beside the call's own state: its ``plan``, its ``adapter`` and the ``observers`` of its stages
+    (the handle's list, which ``PruneHandle.observe`` extends). Built once at wrap time; the parts never see the
+    handle. ``region_of_layer``: each decoder layer's decode region (:meth:`Plan.regions`)."""
+
+    plan: Plan
+    adapter: Adapter
+    observers: list[Callable[[Any], None]] = field(default_factory=list)
+    region_of_layer: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "region_of_layer", tuple(self.plan.regions(self.adapter.num_layers)))
+
+    @property
+    def scorer(self) -> Scorer:
+        return self.plan.scorer
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return self.plan.stages
 
 
 def device_kept_counts(num_visual: torch.Tensor, keeps: list[float], counting: str = "round") -> torch.Tensor:
@@ -88,7 +143,19 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             f"positions='compact' is not supported for {adapter.config.model_type} (3-D M-RoPE positions); "
             "use positions='original'."
         )
-    return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting)
+    retention = scorer.kv_retention()
+    kv = None if retention is None else kv_plan(retention, adapter, config.keep)
+    return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting, kv=kv)
+
+
+def kv_plan(retention: KVRetention, adapter: Adapter, keep: float) -> KVPlan:
+    """The KV retention of a plan at budget ``keep``: the profile's per-layer ratios read (and checked against the
+    model) once, at wrap time."""
+    if retention.profile is None:
+        return KVPlan(retention=retention, keep=keep)
+    budgets = read_profile(retention.profile, adapter.config.model_type, adapter.num_layers, retention.scope)
+    ratios = profile_ratios(budgets, keep, f"profile {retention.profile!r}")
+    return KVPlan(retention=retention, keep=keep, ratios=tuple(ratios))
 
 
 def _device(adapter: Adapter) -> torch.device:

@@ -6,7 +6,7 @@ back from the device unless the method changes the keep mask itself (VFlowOpt's 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,15 +15,12 @@ from vtprune.errors import UserError
 from vtprune.guards import unsupported_cache_message
 from vtprune.layout import Layout, attention_mask_for, gather_tokens, mask_style, repad_known, select_kept
 from vtprune.methods.base import Scorer, merge_step
-from vtprune.plan import Plan
+from vtprune.plan import Plan, Wiring
 from vtprune.scoring import ScoreContext
 from vtprune.state import CallState, StageRecord, StageView
 
-if TYPE_CHECKING:
-    from vtprune.engine import PruneHandle
 
-
-def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def lm_input(wiring: Wiring, call: CallState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """Language-model pre-hook at prefill: read the padding, build the first view, run a pre-LLM stage."""
     embeds = kwargs.get("inputs_embeds")
     mask = kwargs.get("attention_mask")
@@ -48,7 +45,7 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
         return None
     if call.cache_problem is not None:
         raise UserError(unsupported_cache_message(call.cache_problem))
-    plan_counts(handle.plan, call, counts)
+    plan_counts(wiring.plan, call, counts)
     call.left_padding = not all(first) or all(last)
     call.text_counts = [n - v for n, v in zip(lengths, call.visual_counts, strict=True)]
     view = StageView(
@@ -56,9 +53,9 @@ def lm_input(handle: PruneHandle, call: CallState, args: tuple, kwargs: dict) ->
         valid=valid, visual=call.visual & valid, ordinal=call.ordinal,
         lengths=lengths, alive=list(call.visual_counts), alive_count=call.num_visual,
     )
-    stages = handle.stages
+    stages = wiring.stages
     if stages and stages[0].layer == 0:
-        kwargs, view = _pre_llm_stage(handle, call, kwargs, view)
+        kwargs, view = _pre_llm_stage(wiring, call, kwargs, view)
     call.views = [view]
     call.base_count = view.valid.sum(dim=1)
     call.next_stage = 1 if stages and stages[0].layer == 0 else 0
@@ -73,14 +70,14 @@ def plan_counts(plan: Plan, call: CallState, counts: list[int]) -> None:
     call.stage_counts = plan.device_kept_counts(call.num_visual)
 
 
-def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
+def _pre_llm_stage(wiring: Wiring, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
     embeds = kwargs["inputs_embeds"]
-    ctx = context(handle, call, view, embeds, -1, None, None, 0)
-    keep, embeds, new = select(handle, call, ctx, view, embeds)
+    ctx = context(wiring, call, view, embeds, -1, None, None, 0)
+    keep, embeds, new = select(wiring, call, ctx, view, embeds)
     kwargs = dict(kwargs)
     kwargs["inputs_embeds"] = gather_tokens(embeds, new.index_in_previous, 1)
     kwargs["attention_mask"] = new.valid.long()
-    if handle.plan.positions == "compact":  # kept tokens and the text after them numbered 0, 1, 2, ...
+    if wiring.plan.positions == "compact":  # kept tokens and the text after them numbered 0, 1, 2, ...
         kwargs["position_ids"] = compact_positions(new.valid)
         call.pre_llm_removed = view.valid.sum(dim=1) - new.valid.sum(dim=1)
     else:
@@ -95,31 +92,31 @@ def _pre_llm_stage(handle: PruneHandle, call: CallState, kwargs: dict, view: Sta
                              lengths=new.lengths, alive=new.alive, alive_count=new.alive_count)
 
 
-def layer(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
+def layer(wiring: Wiring, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
     """Decoder-layer pre-hook at prefill: score at scoring layers, drop at stage layers, slice the arguments."""
     hidden = args[0] if args else kwargs["hidden_states"]
     original = kwargs
-    kwargs = apply_view(handle, call, original)
-    stages, scorer = handle.stages, handle.scorer
+    kwargs = apply_view(wiring, call, original)
+    stages, scorer = wiring.stages, wiring.scorer
     while call.next_stage < len(stages):
         stage = stages[call.next_stage]
-        ctx = context(handle, call, call.view, hidden, index, module, kwargs.get("position_embeddings"),
+        ctx = context(wiring, call, call.view, hidden, index, module, kwargs.get("position_embeddings"),
                       call.next_stage)
         if scorer.score_layer(stage) == index and call.pending_scores is None:
             call.pending_scores = scorer.score(ctx)
         if stage.layer != index:
             break
-        _, hidden, new = select(handle, call, ctx, call.view, hidden)
+        _, hidden, new = select(wiring, call, ctx, call.view, hidden)
         hidden = gather_tokens(hidden, new.index_in_previous, 1)
         call.views.append(new)
         call.next_stage += 1
-        kwargs = apply_view(handle, call, original)
+        kwargs = apply_view(wiring, call, original)
     if args:
         return (hidden, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": hidden}
 
 
-def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
+def apply_view(wiring: Wiring, call: CallState, kwargs: dict) -> dict:
     """Replace mask, ``(cos, sin)`` and position ids by those of the current view (built once per view)."""
     view = call.view
     if view.kwargs.get("source") is not None:
@@ -129,7 +126,7 @@ def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
         return kwargs
     update: dict[str, Any] = {"source": "view"}
     incoming = kwargs.get("attention_mask")
-    style = mask_style(incoming, handle.adapter.attn_implementation)
+    style = mask_style(incoming, wiring.adapter.attn_implementation)
     length = view.index.shape[1]
     if incoming is not None or view.padded:
         dtype = incoming.dtype if isinstance(incoming, torch.Tensor) else torch.float32
@@ -142,36 +139,36 @@ def apply_view(handle: PruneHandle, call: CallState, kwargs: dict) -> dict:
     positions = kwargs.get("position_ids")
     if isinstance(positions, torch.Tensor):
         update["position_ids"] = gather_tokens(positions, view.index, positions.dim() - 1)
-    if handle.plan.positions == "compact" and embeddings is not None:
+    if wiring.plan.positions == "compact" and embeddings is not None:
         compact = compact_positions(view.valid)
-        cos, sin = handle.adapter.language_model.rotary_emb(embeddings[0], compact.to(embeddings[0].device))
+        cos, sin = wiring.adapter.language_model.rotary_emb(embeddings[0], compact.to(embeddings[0].device))
         update.update({"position_embeddings": (cos, sin), "position_ids": compact})
     view.kwargs = update
     return {**kwargs, **{k: v for k, v in update.items() if k != "source"}}
 
 
-def context(handle: PruneHandle, call: CallState, view: StageView, hidden: torch.Tensor, index: int,
+def context(wiring: Wiring, call: CallState, view: StageView, hidden: torch.Tensor, index: int,
             layer_module: nn.Module | None, embeddings: Any, stage_index: int) -> ScoreContext:
     return ScoreContext(
         hidden=hidden, layer_index=index, layer=layer_module, position_embeddings=embeddings,
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
-        segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
-        visual_counts=call.visual_counts, stage=handle.stages[stage_index], stage_index=stage_index,
+        segments=call.segments, adapter=wiring.adapter, inputs=call.inputs, state=call.method_state,
+        visual_counts=call.visual_counts, stage=wiring.stages[stage_index], stage_index=stage_index,
     )
 
 
-def select(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageView, hidden: torch.Tensor
+def select(wiring: Wiring, call: CallState, ctx: ScoreContext, view: StageView, hidden: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, StageView]:
     """Keep mask ``[B, L]``, hidden states (merged if the scorer merges) and the next view of one stage."""
-    scores = _stage_scores(handle.scorer, call, ctx, view)
+    scores = _stage_scores(wiring.scorer, call, ctx, view)
     counts = [min(n, alive) for n, alive in zip(call.planned[ctx.stage_index], view.alive, strict=True)]
     counts_t = torch.minimum(call.stage_counts[ctx.stage_index].to(view.valid.device), view.alive_count)
     selected = select_kept(scores.to(view.valid.device), view.visual, view.valid, counts_t,
                            width=max(view.alive, default=0), k_max=max(counts, default=0))
-    kept, hidden, merged = _merge(handle, ctx, selected, scores, hidden, view)
+    kept, hidden, merged = _merge(wiring, ctx, selected, scores, hidden, view)
     alive, lengths, counts_t = _kept_lengths(call, view, kept, counts, counts_t, changed=kept is not selected)
     new = next_view(view, repad_known(kept, call.left_padding, lengths), lengths, alive, counts_t)
-    _record(handle, call, ctx, view, scores, kept, alive, merged, new)
+    _record(wiring, call, ctx, view, scores, kept, alive, merged, new)
     return kept, hidden, new
 
 
@@ -184,15 +181,15 @@ def _stage_scores(scorer: Scorer, call: CallState, ctx: ScoreContext, view: Stag
     return scores
 
 
-def _merge(handle: PruneHandle, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
+def _merge(wiring: Wiring, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
            view: StageView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The scorer's merge step after selection, if it has one: ``(kept, hidden, merged)``; ``merged`` ``[B, L]``
     marks the kept visual slots it rewrote (for observers; None without observers or merge step). A merge step
     that keeps the selection returns the same mask object."""
-    merge = merge_step(handle.scorer)
+    merge = merge_step(wiring.scorer)
     if merge is None:
         return kept, hidden, None
-    before = hidden.clone() if handle.observers else None
+    before = hidden.clone() if wiring.observers else None
     kept, hidden = merge(ctx, kept, scores, hidden)
     merged = None
     if before is not None and before.shape == hidden.shape:
@@ -211,15 +208,15 @@ def _kept_lengths(call: CallState, view: StageView, kept: torch.Tensor, counts: 
     return alive, lengths, counts_t
 
 
-def _record(handle: PruneHandle, call: CallState, ctx: ScoreContext, view: StageView, scores: torch.Tensor,
+def _record(wiring: Wiring, call: CallState, ctx: ScoreContext, view: StageView, scores: torch.Tensor,
             kept: torch.Tensor, alive: list[int], merged: torch.Tensor | None, new: StageView) -> None:
     """The stage in the call's statistics, and a :class:`StageRecord` for every observer."""
     stage = ctx.stage
     call.stats.stage_layers.append(stage.layer)
     call.stats.kept.append(list(alive))
     call.stage_ordinals.append(new.ordinal)
-    for observer in handle.observers:
-        observer(StageRecord(stage=stage, score_layer=handle.scorer.score_layer(stage) if stage.layer else -1,
+    for observer in wiring.observers:
+        observer(StageRecord(stage=stage, score_layer=wiring.scorer.score_layer(stage) if stage.layer else -1,
                              scores=scores, kept=kept, visual=view.visual, ordinal=view.ordinal, counts=list(alive),
                              visual_tokens=call.visual_counts, merged=merged))
 
@@ -239,17 +236,17 @@ def next_view(view: StageView, layout: Layout, lengths: list[int], alive: list[i
     )
 
 
-def kv_priority(handle: PruneHandle, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
+def kv_priority(wiring: Wiring, call: CallState, index: int, module: nn.Module, args: tuple, kwargs: dict):
     """KV retention at prefill: record this layer's key priorities ``[B, L]``; every token goes on."""
     hidden = args[0] if args else kwargs["hidden_states"]
     view = call.view
     ctx = ScoreContext(
         hidden=hidden, layer_index=index, layer=module, position_embeddings=kwargs.get("position_embeddings"),
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
-        segments=call.segments, adapter=handle.adapter, inputs=call.inputs, state=call.method_state,
+        segments=call.segments, adapter=wiring.adapter, inputs=call.inputs, state=call.method_state,
         visual_counts=call.visual_counts,
     )
-    call.method_state.setdefault("kv_priority", {})[index] = handle.scorer.score(ctx)
+    call.method_state.setdefault("kv_priority", {})[index] = wiring.scorer.score(ctx)
     return None
 
 

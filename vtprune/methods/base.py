@@ -11,6 +11,7 @@ sample at each stage of the plan. Everything else is optional:
 * :meth:`schedule`: the default stages for a model depth and a final ``keep`` (one of the plain functions
   of :mod:`vtprune.methods.schedules`).
 * :meth:`captures`: extra tensors to capture (hooks the engine registers, stores per call and removes).
+* :meth:`kv_retention`: a :class:`KVRetention` instead of sequence pruning (PrefixKV); None by default.
 * ``merge(ctx, kept, scores, hidden) -> (kept, hidden)``: an explicit step after selection that may change
   the kept mask and write merged tokens (VFlowOpt's recycling); define it only if the scorer merges. Return
   the ``kept`` object itself when the selection is unchanged: the engine then reads no counts back.
@@ -49,15 +50,33 @@ class Capture:
 
 
 @dataclass(frozen=True)
+class KVRetention:
+    """KV-cache retention instead of sequence pruning, as a scorer declares it (:meth:`Scorer.kv_retention`).
+
+    The hidden states keep every token; ``score`` runs at every decoder layer and gives the priority ``[B, L]``
+    of that layer's cached keys, and after the prefill each layer's cache keeps its own top entries. ``scope``:
+    the tokens that may leave (``"visual"``, or ``"prompt"``: the prompt but its first ``start`` tokens and its
+    last one); ``profile``: a file of per-layer eviction ratios (None: the counts are searched per call);
+    ``counting``: ``"exact"`` or ``"release"`` (the released code's counts); ``decode``: ``"keep"`` (generated
+    tokens stay) or ``"release"`` (each layer evicts while decoding, ``distance`` entries from the end of the
+    compressed prompt). The plan carries it (:class:`vtprune.plan.KVPlan`); the engine reads only the plan.
+    """
+
+    scope: str = "visual"
+    start: int = 1
+    profile: str | None = None
+    counting: str = "exact"
+    decode: str = "keep"
+    distance: int = -25
+
+
+@dataclass(frozen=True)
 class Scorer:
     """Base class of every method. Subclass it as a frozen dataclass, set ``name``, implement :meth:`score`."""
 
     name: ClassVar[str] = "custom"
     requires: ClassVar[frozenset[str]] = frozenset()
     score_offset: ClassVar[int] = 0
-    #: KV-cache retention instead of sequence pruning: ``score`` runs at every layer and gives the priority of
-    #: its cached keys; after the prefill each layer's cache keeps its own top entries (PrefixKV).
-    retains_kv: ClassVar[bool] = False
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         """``[B, L]`` importance of the current slots; only alive visual slots are ranked (higher is kept).
@@ -77,6 +96,15 @@ class Scorer:
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
         """Extra hooks (see :class:`Capture`); raise ``ValueError`` here for options the model cannot serve."""
         return ()
+
+    def kv_retention(self) -> KVRetention | None:
+        """KV-cache retention instead of sequence pruning (PrefixKV), or None (the default: the scorer prunes)."""
+        return None
+
+    @property
+    def retains_kv(self) -> bool:
+        """Whether the scorer retains KV entries instead of pruning the sequence (:meth:`kv_retention`)."""
+        return self.kv_retention() is not None
 
     @property
     def description(self) -> str:

@@ -35,7 +35,7 @@ import torch
 
 from vtprune.config import Stage
 from vtprune.errors import UserError
-from vtprune.methods.base import Scorer
+from vtprune.methods.base import KVRetention, Scorer
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
@@ -55,7 +55,6 @@ class PrefixKV(Scorer):
 
     name: ClassVar[str] = "prefixkv"
     requires: ClassVar[frozenset[str]] = frozenset({"attention", "llm_layers"})
-    retains_kv: ClassVar[bool] = True
     release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="THU-MIG/PrefixKV",
                                                  options=(("counting", "release"),))
     scope: str = "visual"
@@ -92,6 +91,11 @@ class PrefixKV(Scorer):
         if self.decode == "release" and (self.scope != "prompt" or self.profile is None):
             raise ValueError("decode='release' evicts generated context at a fixed per-layer ratio: it needs "
                              "scope='prompt' and profile=FILE (from `vtprune calibrate --method prefixkv`).")
+
+    def kv_retention(self) -> KVRetention:
+        """Which entries may leave each layer's cache, and how their per-layer counts are found."""
+        return KVRetention(scope=self.scope, start=self.start, profile=self.profile, counting=self.counting,
+                           decode=self.decode, distance=self.distance)
 
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
         return ()  # no sequence pruning: the hidden states keep every token
