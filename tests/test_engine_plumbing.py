@@ -47,6 +47,8 @@ def test_the_stage_step_is_short():
 
 
 ENGINE_PARTS = ("prefill", "decode", "kv", "guards")
+LIBRARY = tuple(f"vtprune/{name}" for name in ("methods/", "engine", "prefill", "decode", "kv", "state", "calls",
+                                               "scoring", "guards", "outputs", "layout", "api"))
 KV_SETTINGS = {"retains_kv", "scope", "start", "distance", "decode", "profile", "counting"}
 
 
@@ -86,3 +88,19 @@ def test_the_plan_carries_the_scorers_kv_retention():
         assert (handle.plan.kv.keep, handle.plan.kv.ratios, handle.retains_kv) == (0.5, None, True)
     with vtprune.apply(model, "fastv", keep=0.5) as handle:
         assert handle.plan.kv is None and handle.scorer.kv_retention() is None and not handle.retains_kv
+
+
+def test_budgets_are_counted_by_the_config_and_the_plan_only():
+    """``keep_count`` / ``truncated_count`` are called and ``config.keep`` is read only in ``config`` and ``plan``
+    in the library (engine and methods): a group's quota is ``ScoreContext.kept_count``, the plan's rule."""
+    found = []
+    for path in sorted((ROOT / "vtprune").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in ("vtprune/config.py", "vtprune/plan.py") or not rel.startswith(LIBRARY):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in ("keep_count", "truncated_count"):
+                found.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "keep" and ast.unparse(node.value).endswith("config"):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []

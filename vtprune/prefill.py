@@ -154,6 +154,7 @@ def context(wiring: Wiring, call: CallState, view: StageView, hidden: torch.Tens
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
         segments=call.segments, adapter=wiring.adapter, inputs=call.inputs, state=call.method_state,
         visual_counts=call.visual_counts, stage=wiring.stages[stage_index], stage_index=stage_index,
+        count_rule=wiring.plan.count,
     )
 
 

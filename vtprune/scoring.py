@@ -39,6 +39,8 @@ class ScoreContext:
     state: the call's scratch space (the scorer's captures land here; dropped when the prefill returns).
     stage: the stage being scored (``layer``, ``keep``).
     attention_filter: applied to every :meth:`attention` result (set by ``Debiased``).
+    count_rule: ``(keep, n) -> kept count``, the plan's rounding rule (:meth:`vtprune.plan.Plan.count`; set by the
+        engine at every stage): :meth:`kept_count` gives a group's quota from it.
     """
 
     hidden: torch.Tensor
@@ -57,10 +59,19 @@ class ScoreContext:
     stage: Stage | None = None
     stage_index: int = 0
     attention_filter: Callable[[ScoreContext, torch.Tensor], torch.Tensor] | None = None
+    count_rule: Callable[[float, int], int] | None = None
 
     def __post_init__(self) -> None:
         if self.visual_counts is None:
             self.visual_counts = [int(n) for n in self.num_visual.tolist()]
+
+    def kept_count(self, n: int, keep: float | None = None) -> int:
+        """Visual tokens kept of ``n`` original ones at ``keep`` (default: the stage's), by the plan's rule: the
+        quota of a group (a frame, an image) counted as the engine counts a sample's kept tokens."""
+        if self.count_rule is None or (keep is None and self.stage is None):
+            raise RuntimeError("this ScoreContext has no stage to count for (the engine sets the stage and the "
+                               "plan's count_rule when it scores a stage).")
+        return self.count_rule(self.stage.keep if keep is None else keep, n)
 
     def last_query(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index ``[B, 1]`` of each sample's last valid slot (its last prompt token) and an all-True mask."""

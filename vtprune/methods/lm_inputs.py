@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from vtprune.config import keep_count
 from vtprune.methods.base import Capture
 from vtprune.methods.per_frame import frame_ids, per_frame_scores
 from vtprune.scoring import ScoreContext
@@ -81,11 +80,12 @@ def group_ids(ctx: ScoreContext, row: int) -> torch.Tensor:
 
 
 def group_quotas(ctx: ScoreContext, row: int, keep: float) -> torch.Tensor:
-    """``[G]`` tokens each group of sample ``row`` keeps: ``keep_count(keep, n_g)`` of its original ``n_g``."""
+    """``[G]`` tokens each group of sample ``row`` keeps of its original ``n_g`` at ``keep`` (the plan's rule,
+    :meth:`~vtprune.scoring.ScoreContext.kept_count`)."""
     total = ctx.visual_counts[row]
     ids = frame_ids(ctx.segments[row], total)
     counts = torch.bincount(ids, minlength=int(ids.max()) + 1 if total else 0).tolist()
-    return torch.tensor([keep_count(keep, int(n)) for n in counts], dtype=torch.long)
+    return torch.tensor([ctx.kept_count(int(n), keep) for n in counts], dtype=torch.long)
 
 
 def group_scores(values: torch.Tensor, alive: torch.Tensor, groups: torch.Tensor, quota: torch.Tensor

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from vtprune.adapters.base import VisualSegment
-from vtprune.config import keep_count
 from vtprune.methods.base import Scorer, Wrapper
 from vtprune.methods.registry import register_method, resolve
 from vtprune.scoring import ScoreContext
@@ -98,7 +97,7 @@ class PerFrame(Wrapper):
                 continue
             ids = frame_ids(ctx.segments[row], total).to(raw.device)
             counts = torch.bincount(ids, minlength=int(ids.max()) + 1)
-            quota = torch.tensor([keep_count(ctx.stage.keep, int(n)) for n in counts.tolist()], device=raw.device)
+            quota = torch.tensor([ctx.kept_count(int(n)) for n in counts.tolist()], device=raw.device)
             frames = ids[ctx.ordinal[row].clamp(min=0, max=total - 1)]
             out[row] = per_frame_scores(raw[row], alive[row], frames, quota).nan_to_num(neginf=-1e9)
         return out
