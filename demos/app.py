@@ -326,9 +326,9 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sh
 def main(argv: list[str] | None = None) -> int:
     """``python demos/app.py [--model PATH] [--host 127.0.0.1] [--port 7860] [--share] [--device cpu]``.
 
-    The options (and ``--help``) are ``vtprune demo``'s: :func:`vtprune.eval.demo_cli.demo_parser`.
+    The options (and ``--help``) are ``vtprune demo``'s: :func:`vtprune.demo.cli.demo_parser`.
     """
-    from vtprune.eval.demo_cli import demo_parser
+    from vtprune.demo.cli import demo_parser
 
     parser = demo_parser()
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""Default methods and keep fractions of ``vtprune bench`` (images), shared by its video and speed modes."""
+"""Deprecated path: moved to :mod:`vtprune.eval.accuracy.defaults` (kept for one release; see CHANGELOG.md)."""
 
-DEFAULT_METHODS = "none,random,oracle,fastv,fastv+debias,pdrop,transprune,ttv,vflowopt,visionzip,divprune,dart"
-DEFAULT_KEEPS = "1,0.5,0.33,0.25,0.11"
+from vtprune.eval._moved import alias
+
+alias("bench_defaults", __name__)

@@ -3,7 +3,7 @@
 #   1. the speed benchmark (vtprune bench --speed) at real 7B LM geometry, random weights, bf16, SDPA:
 #      LLaVA-1.5-7B LM at 576 / 2880 visual tokens and Qwen2.5-VL-7B LM at 2304 / video 32x196, batch 1 and 8
 #      (ragged), then Qwen at 16384 visual tokens, batch 1;
-#   2. the Triton kernels against their torch twins (vtprune.eval.bench_kernels) and their plots;
+#   2. the Triton kernels against their torch twins (vtprune.eval.kernels.bench) and their plots;
 #   3. flash_attention_2: use flash-attn if importable, else try `pip install flash-attn` under a time limit
 #      (never fatal), and rerun the 576-token LLaVA block with it when it imports.
 # Every step runs under `timeout`, a failed step is logged and the script goes on, the whole run keeps to a time
@@ -88,7 +88,7 @@ else
     step wheels 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl \
       && export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  if ! "$PY" -c "import vtprune.eval.bench_speed" >/dev/null 2>&1; then
+  if ! "$PY" -c "import vtprune.eval.speed.bench" >/dev/null 2>&1; then
     # Offline, no install: a shadow package that maps vtprune.{kernels,adapters,eval} to the root folders.
     SHADOW=$(mktemp -d)/pkg
     mkdir -p "$SHADOW/vtprune"
@@ -158,8 +158,8 @@ if [ "$RUN" = 1 ]; then
   if [ ${#LONG[@]} -gt 0 ]; then speed speed-qwen7b-16384-sdpa 70 "${LONG[@]}"; else skip speed-qwen7b-16384-sdpa quick; fi
   KERNEL_ARGS=(--device "$DEVICE" --out "$OUT/kernels")
   [ "$QUICK" = 1 ] && KERNEL_ARGS+=(--quick --preset tiny --threads 1)
-  step kernels 90 "$PY" -m vtprune.eval.bench_kernels "${KERNEL_ARGS[@]}" \
-    && step kernel-plots 30 "$PY" -m vtprune.eval.plot_kernels --csv "$OUT/kernels/bench_kernels_$DEVICE.csv" \
+  step kernels 90 "$PY" -m vtprune bench kernels "${KERNEL_ARGS[@]}" \
+    && step kernel-plots 30 "$PY" -m vtprune bench plot-kernels --csv "$OUT/kernels/bench_kernels_$DEVICE.csv" \
       --out "$OUT/kernels"
   # flash_attention_2: only where it can exist (CUDA); the install is tried, reported, never fatal.
   if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recompute the embedded-model results under docs/results/ and their calibration files (CPU, ~30 min).
 # speed-proxy and kernels have their own commands (docs/results/README.md).
-# Run after training new embedded models (python -m vtprune.eval.train_tiny ...); see docs/results/README.md.
+# Run after training new embedded models (vtprune bench train ...); see docs/results/README.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null

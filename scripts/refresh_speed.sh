@@ -8,7 +8,7 @@
 #
 # One torch thread: on the shared 2-core machine two OpenMP threads stall each other whenever anything else runs
 # (the same 576-token generate took 9.2 s with 2 threads and 1.0 s with 1). Splits run one after the other and are
-# merged with `python -m vtprune.eval.speed_report --merge`.
+# merged with `vtprune bench speed-report --merge`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
@@ -21,14 +21,14 @@ mkdir -p "$RUNS"
 case "$mode" in
   full)
     bench "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens all --speed-batches 1,8 --out "$RUNS/full"
-    .venv/bin/python -m vtprune.eval.speed_report "$OUT" --merge "$RUNS/full/speed.csv"
+    .venv/bin/python -m vtprune bench speed-report "$OUT" --merge "$RUNS/full/speed.csv"
     ;;
   reduced)
     LM=(--speed-hidden 512 --speed-layers 8)
     bench "${LM[@]}" "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens 576 --speed-batches 1,8 --out "$RUNS/576"
     bench "${LM[@]}" "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens 2880 --speed-batches 1 --out "$RUNS/2880-b1"
     bench "${LM[@]}" --methods fastv,pdrop --keep 1,0.25 --speed-tokens 2880 --speed-batches 8 --out "$RUNS/2880-b8"
-    .venv/bin/python -m vtprune.eval.speed_report "$OUT" \
+    .venv/bin/python -m vtprune bench speed-report "$OUT" \
       --merge "$RUNS/576/speed.csv" "$RUNS/2880-b1/speed.csv" "$RUNS/2880-b8/speed.csv"
     ;;
   *) echo "usage: scripts/refresh_speed.sh [full|reduced]" >&2; exit 2 ;;

@@ -219,7 +219,7 @@ BENCH_LONG_CASES = [
 
 @pytest.mark.parametrize("argv,words", BENCH_LONG_CASES, ids=[" ".join(a) for a, _ in BENCH_LONG_CASES])
 def test_bench_long_arguments_are_one_line_before_loading(no_model, tmp_path, capsys, argv, words):
-    from vtprune.eval.bench_long import main
+    from vtprune.eval.accuracy.long import main
 
     with pytest.raises(SystemExit) as stop:
         main([*argv, "--out", str(tmp_path / "out")])
@@ -229,7 +229,7 @@ def test_bench_long_arguments_are_one_line_before_loading(no_model, tmp_path, ca
 
 
 def test_bench_long_resume_names_a_broken_journal(tmp_path):
-    from vtprune.eval.bench_long import resumed_items
+    from vtprune.eval.accuracy.long import resumed_items
 
     journal = tmp_path / "records.jsonl"
     journal.write_text('{"item": 0, "method": "none"}\n\n{"item": 3}\n')
@@ -247,7 +247,7 @@ def test_run_reports_the_keep_of_a_kv_retention_method(cli):
 
 
 def test_long_debias_names_a_missing_file_or_field(tmp_path, capsys):
-    from vtprune.eval.long_debias import main
+    from vtprune.eval.accuracy.long_debias import main
 
     assert main([str(tmp_path / "missing.json")]) == 2
     assert "missing.json' does not exist" in capsys.readouterr().err

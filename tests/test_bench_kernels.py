@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vtprune.eval import bench_kernels, plot_kernels
+from vtprune.eval.kernels import bench as bench_kernels
+from vtprune.eval.kernels import plot as plot_kernels
 
 
 def test_bench_and_plot_write_csv_and_pngs(tmp_path: Path) -> None:
@@ -50,7 +51,7 @@ def test_bench_and_plot_write_csv_and_pngs(tmp_path: Path) -> None:
 
 
 def test_bench_module_cli_runs(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "vtprune.eval.bench_kernels", "--quick", "--device", "cpu", "--preset", "tiny",
+    cmd = [sys.executable, "-m", "vtprune.eval.kernels.bench", "--quick", "--device", "cpu", "--preset", "tiny",
            "--batch", "1", "--kernels", "topk", "--threads", "1", "--out", str(tmp_path)]  # fmt: skip
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert res.returncode == 0, res.stderr

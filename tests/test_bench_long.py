@@ -14,14 +14,20 @@ from functools import cache
 import numpy as np
 import pytest
 import torch
-from vtprune.eval.long_items import evidence_tokens, multi_items, recall_metrics, token_frames, video_items
-from vtprune.eval.shapes import PALETTE
-from vtprune.eval.shapes_multi import generate_multi_sample
+from vtprune.eval.accuracy.long_items import (
+    evidence_tokens,
+    multi_items,
+    recall_metrics,
+    token_frames,
+    video_items,
+)
 
 import vtprune
 from vtprune.config import keep_count
 from vtprune.gridprobe.run import wrap_frames
 from vtprune.media.video import frame_inputs
+from vtprune.shapes.multi import generate_multi_sample
+from vtprune.shapes.task import PALETTE
 
 torch.set_num_threads(1)
 CELL = 28  # both embedded models: one visual token per 28 x 28 px (LLaVA patch 28; Qwen 2x2 merged 14 px)
@@ -138,7 +144,7 @@ def test_video_evidence_tokens_lie_where_the_frames_change():
 
 
 def test_bench_long_writes_rows_for_every_method_keep_and_type(tmp_path):
-    from vtprune.eval.bench_long import main
+    from vtprune.eval.accuracy.long import main
 
     main(["--setting", "multi", "--model", "embedded:llava", "--images", "2", "--sets", "1", "--methods",
           "none,oracle,fastv,fastv@per_frame", "--keep", "0.25", "--out", str(tmp_path)])
@@ -158,7 +164,7 @@ def test_bench_long_writes_rows_for_every_method_keep_and_type(tmp_path):
 def test_calibrate_fits_the_trend_on_all_frames_of_clips(tmp_path):
     import json
 
-    from vtprune.eval.long_debias import binned_trend
+    from vtprune.eval.accuracy.long_debias import binned_trend
 
     from vtprune.cli import main as cli
     from vtprune.methods.debias import read_calibration
@@ -179,7 +185,7 @@ def test_calibrate_fits_the_trend_on_all_frames_of_clips(tmp_path):
 
 def test_clips_past_the_context_are_one_line(tmp_path, capsys):
     """64 frames do not fit the embedded Qwen2-VL's 1,024 positions: one line saying how many do, status 2."""
-    from vtprune.eval.bench_long import main
+    from vtprune.eval.accuracy.long import main
 
     code = main(["--setting", "video", "--frames", "64", "--clips", "1", "--methods", "none", "--keep", "0.25",
                  "--out", str(tmp_path / "out")])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vtprune.eval.bench_report import answered_types, goal_summary, markdown_table, pooled
+from vtprune.eval.accuracy.report import answered_types, goal_summary, markdown_table, pooled
 
 
 def _row(method: str, keep: float, qtype: str, n: int, acc: float, recall: float) -> dict:

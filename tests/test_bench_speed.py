@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from vtprune.eval.bench_speed import COLUMNS
-from vtprune.eval.speed_measure import (
+from vtprune.eval.speed.bench import COLUMNS
+from vtprune.eval.speed.measure import (
     generate_with_cache,
     kv_cache_measured,
     layer_lengths,

@@ -6,7 +6,7 @@ import csv
 
 import pytest
 import torch
-from vtprune.eval.bench_video import answer_letter, choose_k, load_questions, method_spec, question_options
+from vtprune.eval.accuracy.video import answer_letter, choose_k, load_questions, method_spec, question_options
 
 from vtprune.cli import main
 

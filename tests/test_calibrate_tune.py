@@ -40,7 +40,7 @@ def test_calibrate_writes_a_file_that_debias_loads(tmp_path, capsys):
 
 
 def test_debias_true_uses_the_calibration_shipped_with_the_model(tmp_path):
-    from vtprune.eval.calibrate import calibrate, calibration_items
+    from vtprune.eval.tuning.calibrate import calibrate, calibration_items
 
     model, processor = tiny_model("llava")
     folder = tmp_path / "model"
@@ -81,7 +81,7 @@ def test_tune_improves_vflowopt_and_the_result_loads(tmp_path):
 
 
 def test_tune_baselines_search_their_layers(tmp_path):
-    from vtprune.eval.tune import tune
+    from vtprune.eval.tuning.tune import tune
 
     model, processor = tiny_model("llava")
     result = tune(model, processor, "pdrop+debias", 0.6, trials=3, n_samples=4, progress=False)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from vtprune.eval.bench import evaluate, load_items
+from vtprune.eval.accuracy.bench import evaluate, load_items
 
 import vtprune
 
@@ -87,7 +87,7 @@ def test_speed_proxy_runs_and_reports_overhead(tmp_path):
 
 def test_dense_task_items_for_the_64_token_model():
     """``--task auto`` picks the dense version for embedded:llava64 only; its items are 224 px with where3."""
-    from vtprune.eval.bench import task_for
+    from vtprune.eval.accuracy.bench import task_for
 
     assert task_for("embedded:llava64", "auto") == "dense" and task_for(None, "auto") == "shapes"
     assert task_for("embedded:llava", "auto") == "shapes" and task_for("embedded:llava", "dense") == "dense"

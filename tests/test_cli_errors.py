@@ -149,9 +149,8 @@ def test_output_paths_are_checked_before_any_work(cli, no_model, tmp_path):
 
 
 def test_demo_refuses_a_busy_port_and_warns_beyond_loopback(capsys, monkeypatch, cli):
-    from vtprune.eval.demo_cli import load_demo_module
-
     from vtprune.cli.checks import exposure_warning, is_loopback
+    from vtprune.demo.cli import load_demo_module
 
     app = load_demo_module("app")
     with socket.socket() as busy:
@@ -179,9 +178,8 @@ def _free_port() -> int:
 
 
 def test_demo_reports_a_fake_video_as_a_bad_file(tmp_path):
-    from vtprune.eval.demo_cli import load_demo_module
-
     from vtprune.demo.app import UploadError, check_upload
+    from vtprune.demo.cli import load_demo_module
 
     fake = tmp_path / "clip.mp4"
     fake.write_text("not a video\n" * 50)
@@ -208,9 +206,8 @@ def test_lmms_model_args_check_model_and_device_before_loading(monkeypatch):
 
 
 def test_demo_refuses_an_over_long_question_with_a_message():
-    from vtprune.eval.demo_cli import load_demo_module
-
     from vtprune.demo.app import EXAMPLES_DIR, DemoRunner
+    from vtprune.demo.cli import load_demo_module
     from vtprune.shapes.task import make_split
 
     app = load_demo_module("app")

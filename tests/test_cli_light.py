@@ -82,6 +82,6 @@ def test_a_chosen_command_loads_only_its_module():
     code = _no_heavy_import(
         "import vtprune.cli as c; args = c.build_parser().parse_args(['sample', '--index', '2'])") + (
         "assert args.command == 'sample' and args.index == 2 and callable(args.func)\n"
-        "assert 'vtprune.eval.bench' not in sys.modules and 'vtprune.eval.tune' not in sys.modules\n")
+        "assert 'vtprune.eval.accuracy.bench' not in sys.modules and 'vtprune.eval.tuning.tune' not in sys.modules\n")
     result = _python(code)
     assert result.returncode == 0, result.stderr

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from vtprune.eval.demo_cli import load_demo_module
+
+from vtprune.demo.cli import load_demo_module
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
@@ -253,9 +254,8 @@ def test_server_binds_localhost_and_serves_no_local_files(server) -> None:
 
 
 def test_demo_cli_explains_a_missing_demos_folder(tmp_path, monkeypatch, capsys) -> None:
-    from vtprune.eval import demo_cli
-
     from vtprune import cli
+    from vtprune.demo import cli as demo_cli
 
     args = cli.build_parser().parse_args(["demo"])
     assert (args.host, args.port, args.share, args.model) == ("127.0.0.1", 7860, False, None)

@@ -10,7 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from vtprune.eval import tiny_eval as E  # noqa: E402
+from vtprune.eval.training import evaluate as E  # noqa: E402
 
 from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa: E402
 from vtprune.shapes import dense as D  # noqa: E402
@@ -81,7 +81,7 @@ def test_commands_use_the_dense_task_for_it(capsys) -> None:
 
 
 def test_calibration_uses_the_dense_calib_split_and_ships() -> None:
-    from vtprune.eval.calibrate import calibration_items
+    from vtprune.eval.tuning.calibrate import calibration_items
 
     assert {image.size for image, _ in calibration_items(None, 3, "dense")} == {(224, 224)}
     assert (embedded_model_path("llava64") / "calibration.json").is_file()  # +debias uses the fitted trend

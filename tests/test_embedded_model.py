@@ -15,7 +15,7 @@ from vtprune.models.embedded import EMBEDDED_MODELS, embedded_model_path  # noqa
 
 MODEL_DIR = embedded_model_path("llava")
 
-from vtprune.eval import tiny_eval as E  # noqa: E402
+from vtprune.eval.training import evaluate as E  # noqa: E402
 
 from vtprune.shapes import task as S  # noqa: E402
 

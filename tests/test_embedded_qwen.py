@@ -14,7 +14,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vtprune.eval import tiny_eval as E  # noqa: E402
+from vtprune.eval.training import evaluate as E  # noqa: E402
 
 from vtprune.models.embedded import embedded_model_path  # noqa: E402
 from vtprune.shapes import task as S  # noqa: E402

@@ -8,7 +8,7 @@ the LM head: 2 * 4 * 10 = 80 per position.
 from __future__ import annotations
 
 import pytest
-from vtprune.eval.speed_measure import layer_lengths, percentiles, predict, split_prediction, spread
+from vtprune.eval.speed.measure import layer_lengths, percentiles, predict, split_prediction, spread
 
 from vtprune.flops import (
     LMShape,

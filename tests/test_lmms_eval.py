@@ -146,7 +146,7 @@ def test_fastv_run_reports_accuracy_and_pruning(runs) -> None:
 
 def test_keep_one_matches_vtprune_bench(ws, runs) -> None:
     import torch
-    from vtprune.eval.bench import evaluate, load_items
+    from vtprune.eval.accuracy.bench import evaluate, load_items
 
     from vtprune.models.loading import load
 
@@ -250,7 +250,7 @@ def test_request_batching_and_stop_strings() -> None:
 
 def test_loglikelihood_prefers_the_greedy_answer(ws) -> None:
     from lmms_eval.api.instance import Instance
-    from vtprune.eval.bench import load_items
+    from vtprune.eval.accuracy.bench import load_items
     from vtprune.eval.lmms_plugin.models import VTPruneLlava
 
     lm = VTPruneLlava(pretrained=str(ws["model"]), method="fastv", keep=0.25, device="cpu")
@@ -298,7 +298,7 @@ def test_other_families_generate_batched(model_id: str, spec: str) -> None:
 def test_qwen_loglikelihood_feeds_the_continuation_through_the_cache() -> None:
     """Multi-token continuations on M-RoPE models get the model's own 3-D positions (finite result)."""
     from lmms_eval.api.instance import Instance
-    from vtprune.eval.bench import load_items
+    from vtprune.eval.accuracy.bench import load_items
     from vtprune.eval.lmms_plugin.models import VTPruneQwenVL
 
     lm = VTPruneQwenVL(pretrained="tiny:qwen2_5_vl", method="fastv", keep=0.5, device="cpu")

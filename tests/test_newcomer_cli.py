@@ -94,7 +94,7 @@ def test_keep_label():
 
 
 def test_bench_plan_runs_keep_one_once():
-    from vtprune.eval.bench import bench_plan
+    from vtprune.eval.accuracy.bench import bench_plan
 
     assert bench_plan(["none", "fastv", "pdrop"], [1.0, 0.25]) == [("none", 1.0), ("fastv", 0.25), ("pdrop", 0.25)]
     assert bench_plan(["fastv"], [1.0, 0.5]) == [("none", 1.0), ("fastv", 0.5)]

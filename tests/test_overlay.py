@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from PIL import Image
-from vtprune.eval.demo_cli import load_demo_module
+
+from vtprune.demo.cli import load_demo_module
 
 overlay = load_demo_module("overlay")
 

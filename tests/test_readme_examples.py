@@ -101,14 +101,38 @@ def _command_lines(path: Path) -> list[str]:
     return commands
 
 
+class _Parsed(Exception):
+    """Raised in place of running a ``vtprune bench KIND`` main once its options parsed."""
+
+
+def _parse_bench_kind(kind: str, module: str, argv: list[str], monkeypatch) -> None:
+    """Parse ``argv`` with the parser of ``vtprune bench KIND``'s own main, without running it."""
+    import argparse
+
+    from vtprune.cli.commands import run_bench_kind
+
+    def parse_and_stop(parser, args=None, namespace=None):
+        _, extra = parser.parse_known_args(args, namespace)
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        raise _Parsed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+        with pytest.raises(_Parsed):
+            run_bench_kind(kind, module, argv)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
-def test_every_documented_command_line_parses(doc):
+def test_every_documented_command_line_parses(doc, monkeypatch):
     from vtprune.cli import build_parser
+    from vtprune.cli.commands import bench_kind_main
 
     parser = build_parser()
     for words in _command_lines(doc):
         try:
-            parser.parse_args(words)
+            kind = bench_kind_main(words)  # `bench KIND ...`: the kind's own options
+            parser.parse_args(words) if kind is None else _parse_bench_kind(*kind, monkeypatch)
         except SystemExit:
             pytest.fail(f"{doc.name}: `vtprune {' '.join(words)}` does not parse")
 

@@ -1,4 +1,4 @@
-"""``python -m vtprune.eval.reproduce``: the papers' numbers, the lmms-eval runs that reproduce them, the table.
+"""``vtprune bench reproduce``: the papers' numbers, the lmms-eval runs that reproduce them, the table.
 
 The dry run (embedded models, local ``vtprune_shapes`` task, CPU) goes through the whole pipeline in 40-60
 s; the GPU commands are checked against lmms-eval's own parser and task index.
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from vtprune.eval import reproduce
-from vtprune.eval.reproduce import BENCHMARKS, RELATIVE, PaperRow, Setting, load_papers
-from vtprune.eval.reproduce_table import measured
+from vtprune.eval.papers import reproduce
+from vtprune.eval.papers.reproduce import BENCHMARKS, RELATIVE, PaperRow, Setting, load_papers
+from vtprune.eval.papers.table import measured
 
 PAPERS_IN_ISSUE = {"fastv", "pdrop", "visionzip", "divprune", "dart", "transprune"}
 

@@ -232,7 +232,7 @@ def test_training_mode_runs_unpruned_with_a_warning():
 @pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
 def test_no_host_sync_in_decode_hooks(model_type):
     """Zero host-device syncs inside the hooks in every decode step; a few per prefill, not per layer."""
-    from vtprune.eval.syncs import count_syncs, watch_hooks
+    from vtprune.eval.speed.syncs import count_syncs, watch_hooks
 
     model, processor = _model(model_type)
     inputs = tiny_inputs(processor, model_type, _samples(model_type))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vtprune.eval.syncs import count_syncs, watch_hooks
+from vtprune.eval.speed.syncs import count_syncs, watch_hooks
 
 import vtprune
 

@@ -10,9 +10,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vtprune.eval import tiny_dense as TD  # noqa: E402
-from vtprune.eval import tiny_models as M  # noqa: E402
-from vtprune.eval import train_tiny as T  # noqa: E402
+from vtprune.eval.training import dense as TD  # noqa: E402
+from vtprune.eval.training import models as M  # noqa: E402
+from vtprune.eval.training import train as T  # noqa: E402
 
 from vtprune.models.embedded import embedded_model_path  # noqa: E402
 from vtprune.shapes import dense as D  # noqa: E402
@@ -133,7 +133,7 @@ def test_dense_defaults_write_under_runs(tmp_path, monkeypatch) -> None:
 def test_warm_start_from_the_16_token_model() -> None:
     """Weights carry over from the shipped 16-token LLaVA; its 4x4 position grid is resized to 8x8 bilinearly."""
     from transformers import LlavaForConditionalGeneration
-    from vtprune.eval import tiny_eval as E
+    from vtprune.eval.training import evaluate as E
 
     old = LlavaForConditionalGeneration.from_pretrained(embedded_model_path("llava")).state_dict()
     parts = TD.build_dense_parts(T.parse_args(["--task", "dense", "--steps", "1"]))

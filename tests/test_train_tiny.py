@@ -11,9 +11,9 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from vtprune.eval import tiny_models as M  # noqa: E402
-from vtprune.eval import tiny_qwen as Q  # noqa: E402
-from vtprune.eval import train_tiny as T  # noqa: E402
+from vtprune.eval.training import models as M  # noqa: E402
+from vtprune.eval.training import qwen as Q  # noqa: E402
+from vtprune.eval.training import train as T  # noqa: E402
 
 from vtprune.shapes import task as S  # noqa: E402
 from vtprune.shapes import video as V  # noqa: E402

@@ -7,7 +7,7 @@ from typing import Any
 
 def normalise(text: str) -> str:
     """vtprune bench's answer normalisation (lower case, no trailing period, spaces to hyphens)."""
-    from vtprune.eval.bench import normalise as bench_normalise
+    from vtprune.eval.accuracy.bench import normalise as bench_normalise
 
     return bench_normalise(text)
 

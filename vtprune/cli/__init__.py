@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 
 from vtprune.cli.checks import OneLineParser, check_question, int_range, model_type_of
-from vtprune.cli.commands import add_commands
+from vtprune.cli.commands import add_commands, bench_kind_main, run_bench_kind
 from vtprune.cli.help import apply_help
 from vtprune.cli.options import (
     add_pruning_arguments,
@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``VTPRUNE_TRACEBACK=1`` to see the traceback of a user error too.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    kind = bench_kind_main(argv)  # `vtprune bench KIND ...`: the kind's own main and options
+    if kind is not None:
+        return run_reporting_errors(lambda: run_bench_kind(*kind), "vtprune")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # only `serve` passes unknown options on (to vLLM)

@@ -1,9 +1,10 @@
 """The subcommands of ``vtprune``, each registered by its module on first use.
 
 ``vtprune --help`` lists the commands from :data:`COMMANDS` alone, so it imports neither torch nor the
-modules behind the commands (``vtprune.eval.bench`` imports torch at the top). ``vtprune bench ...`` imports
-only ``vtprune.eval.bench``: argparse looks the chosen command up in the subparsers' map, and that look-up
-imports the command's module and lets its ``register(subparsers)`` replace the placeholder.
+modules behind the commands. ``vtprune bench ...`` imports only ``vtprune.eval.accuracy.bench``: argparse looks the
+chosen command up in the subparsers' map, and that look-up imports the command's module and lets its
+``register(subparsers)`` replace the placeholder. ``vtprune bench KIND ...`` for a kind with its own ``main``
+(:data:`BENCH_KINDS`: the former ``python -m vtprune.eval.*`` entry points) imports only that kind's module.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import sys
 from typing import Any
 
 from vtprune.cli.help import style_command
@@ -21,12 +23,62 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("vtprune.cli", "answer a question about an image (or --video) with pruning"),
     "info": ("vtprune.cli", "versions, CUDA, supported model types and methods"),
     "sample": ("vtprune.cli.sample", "write a vtprune-shapes test image or clip and its questions"),
-    "bench": ("vtprune.eval.bench", "accuracy / evidence recall / cost of methods x keep fractions"),
-    "calibrate": ("vtprune.eval.calibrate_cli", "fit the positional attention trend used by debias"),
-    "tune": ("vtprune.eval.tune", "optimise a method's hyperparameters under an average-retention budget"),
-    "demo": ("vtprune.eval.demo_cli", "launch the Gradio demo (pruned vs unpruned, side by side)"),
+    "bench": ("vtprune.eval.accuracy.bench", "accuracy / evidence recall / cost of methods x keep fractions"),
+    "calibrate": ("vtprune.eval.tuning.calibrate_cli", "fit the positional attention trend used by debias"),
+    "tune": ("vtprune.eval.tuning.tune", "optimise a method's hyperparameters under an average-retention budget"),
+    "demo": ("vtprune.demo.cli", "launch the Gradio demo (pruned vs unpruned, side by side)"),
     "serve": ("vtprune.vllm.serve", "start vLLM's OpenAI-compatible server with pre-LLM pruning"),
 }
+
+
+# vtprune bench KIND: (the module whose main(argv) runs it, or None for the kinds of vtprune.eval.accuracy.bench's
+# own parser; the one-line help `vtprune bench --help` lists). Each module is imported only when its kind runs.
+BENCH_KINDS: dict[str, tuple[str | None, str]] = {
+    "accuracy": (None, "the default: accuracy / evidence recall / cost on vtprune-shapes images"),
+    "speed": (None, "= --speed: generate() end to end, prefill, decode, memory on random-weight speed proxies"),
+    "video": (None, "= --video: frame selection x token pruning on the vtprune-shapes video split"),
+    "long": ("vtprune.eval.accuracy.long", "long visual contexts: every frame of a clip, or 2-8 images per prompt"),
+    "long-debias": ("vtprune.eval.accuracy.long_debias", "the recency trend at 256-512 tokens, from calibrate files"),
+    "followup": ("vtprune.eval.accuracy.followup", "a second question answered on a pruned cache vs re-prefilled"),
+    "tower-queries": ("vtprune.eval.accuracy.tower_queries", "VisionZip on large Qwen-VL towers: every query vs few"),
+    "footprint": ("vtprune.eval.speed.footprint", "what the engine costs a server: hook time, host syncs, memory"),
+    "speed-report": ("vtprune.eval.speed.report", "Markdown table and plots of a speed CSV (--merge: reruns)"),
+    "kernels": ("vtprune.eval.kernels.bench", "the kernels: Triton vs their torch twins, latency per size"),
+    "plot-kernels": ("vtprune.eval.kernels.plot", "one PNG per kernel from the kernel benchmark CSVs"),
+    "serving": ("vtprune.eval.bench_serving", "vLLM with the plugin: requests/s, TTFT, TPOT, pruned vs unpruned"),
+    "reproduce": ("vtprune.eval.papers.reproduce", "the papers' tables with lmms-eval, beside the papers' numbers"),
+    "lmms-prepare": ("vtprune.eval.lmms_plugin.prepare", "write the vtprune-shapes lmms-eval tasks and their data"),
+    "train": ("vtprune.eval.training.train", "train an embedded tiny VLM from scratch on CPU"),
+    "train-dense": ("vtprune.eval.training.dense", "the 64-token model's git checkpoint (compact SRC DST)"),
+}
+
+
+def bench_kinds_help() -> str:
+    """The ``KIND`` list of ``vtprune bench --help`` (from :data:`BENCH_KINDS`, nothing imported)."""
+    width = max(map(len, BENCH_KINDS))
+    lines = [f"  {name:<{width}}  {summary}" for name, (_, summary) in BENCH_KINDS.items()]
+    return "kinds (vtprune bench KIND --help: the options of KIND):\n" + "\n".join(lines)
+
+
+def bench_kind_main(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """``(kind, module, its argv)`` when ``argv`` is ``bench KIND ...`` for a kind with its own ``main``, else None.
+
+    The kind must follow ``bench`` directly: its options are the kind's own, not ``vtprune bench``'s.
+    """
+    if len(argv) < 2 or argv[0] != "bench":
+        return None
+    module = BENCH_KINDS.get(argv[1], (None, ""))[0]
+    return None if module is None else (argv[1], module, argv[2:])
+
+
+def run_bench_kind(kind: str, module: str, argv: list[str]) -> int:
+    """Run ``module.main(argv)`` as ``vtprune bench KIND`` (its usage line says so); its exit status."""
+    program, sys.argv[0] = sys.argv[0], f"vtprune bench {kind}"  # argparse's default prog
+    try:
+        result = importlib.import_module(module).main(argv)
+    finally:
+        sys.argv[0] = program
+    return result if isinstance(result, int) else 0  # mains that return the file they wrote succeeded
 
 
 def installed(module: str) -> bool:

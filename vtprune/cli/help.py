@@ -44,7 +44,8 @@ examples:
   vtprune bench --images 100                                  every method and keep (about half an hour)
   vtprune bench --speed --methods fastv --keep 0.25 --speed-tokens 576 --speed-batches 1 --repeats 5
                                                               measured vs FLOP-predicted speedup (about 5 min)
-  vtprune bench --video --model embedded:qwen2_vl --clips 10 --open-ended""",
+  vtprune bench --video --model embedded:qwen2_vl --clips 10 --open-ended
+  vtprune bench kernels --device cpu --quick                  another kind: its own options (--help)""",
     "calibrate": """\
 examples:
   vtprune calibrate --model embedded:llava --method pdrop --out runs/cal/llava.json

@@ -28,8 +28,8 @@ def embedded_model_path(name: str = "llava") -> Path:
         raise KeyError(f"unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}")
     path = MODELS_DIR / EMBEDDED_MODELS[name]
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        how = ("the recipe in its model card (python -m vtprune.eval.train_tiny --task dense ...)" if name == "llava64"
-               else f"python -m vtprune.eval.train_tiny --arch {name} --minutes 80 --out {path}")
+        how = ("the recipe in its model card (vtprune bench train --task dense ...)" if name == "llava64"
+               else f"vtprune bench train --arch {name} --minutes 80 --out {path}")
         raise FileNotFoundError(f"embedded model {name!r} not found at {path}. Train it with: {how}")
     return path
 

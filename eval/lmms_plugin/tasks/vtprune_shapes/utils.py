@@ -1,8 +1,8 @@
 """Document functions of the ``vtprune_shapes`` lmms-eval task (one generated question per document).
 
-Documents are rows of ``docs.jsonl`` written by ``python -m vtprune.eval.lmms_plugin.prepare``:
+Documents are rows of ``docs.jsonl`` written by ``vtprune bench lmms-prepare``:
 ``id``, ``image`` (absolute PNG path), ``question``, ``answer``, ``qtype``. Scoring is vtprune bench's exact
-match (:func:`vtprune.eval.bench.normalise` on both sides), overall and per question type.
+match (:func:`vtprune.eval.accuracy.bench.normalise` on both sides), overall and per question type.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Document functions of the ``vtprune_shapes_mc`` lmms-eval task: ``multiple_choice`` over loglikelihoods.
 
 Documents are the ``vtprune_shapes`` questions whose answer comes from a closed set (colour, shape, count,
-yes/no, quadrant; ``read`` questions are left out), written by ``python -m vtprune.eval.lmms_plugin.prepare``.
+yes/no, quadrant; ``read`` questions are left out), written by ``vtprune bench lmms-prepare``.
 lmms-eval sends one ``loglikelihood`` request per choice (``" " + choice`` after the question) and scores the
 argmin of the returned values (``acc``), so it exercises the plugin's loglikelihood path end to end.
 """

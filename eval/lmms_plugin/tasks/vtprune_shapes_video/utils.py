@@ -1,6 +1,6 @@
 """Document functions of the ``vtprune_shapes_video`` lmms-eval task (multiple-choice questions about clips).
 
-Documents are rows of ``docs.jsonl`` written by ``python -m vtprune.eval.lmms_plugin.prepare``: ``id``,
+Documents are rows of ``docs.jsonl`` written by ``vtprune bench lmms-prepare``: ``id``,
 ``frames`` (absolute PNG paths, in time order), ``question`` (with its A-D options), ``answer`` (a letter),
 ``qtype`` (``color`` / ``shape``), ``evidence_frames``.
 """

@@ -1,0 +1,210 @@
+"""Reproduce the papers' tables with lmms-eval: the papers' numbers beside the measured ones, and each run's speed.
+
+``vtprune bench reproduce`` reads the papers' numbers (``papers.csv``: one row per paper x
+model x setting x benchmark, with its source), runs lmms-eval once per model x method x keep (``vtprune_llava``
+on llava-hf/llava-1.5-7b-hf, ``vtprune_qwen_vl`` on Qwen/Qwen2.5-VL-7B-Instruct, plus each model unpruned), and
+writes ``table.md`` / ``table.csv``: paper value, measured value, difference, wall-clock seconds of the run and
+the measured prefill per sample. A run whose results file exists is not run again (resume after a cut).
+
+``--dry-run`` runs the same plan offline on CPU in seconds: the embedded models stand in for the checkpoints
+and every benchmark is the local ``vtprune_shapes`` task (``--limit`` documents), so the table has the papers'
+columns but the measured ones are *not* comparable to them. CI runs it (``tests/test_reproduce.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vtprune.eval.papers.data import (
+    BENCHMARKS,
+    DRY_TASK,
+    MODELS,
+    PAPERS_CSV,
+    RELATIVE,
+    PaperRow,
+    Setting,
+    load_papers,
+    metric,
+)
+
+__all__ = ["BENCHMARKS", "MODELS", "RELATIVE", "PaperRow", "Setting", "load_papers", "main", "metric", "plan"]
+
+def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[str] | None = None
+         ) -> dict[Setting, list[str]]:
+    """The runs to do, each with its lmms-eval tasks; every model also runs unpruned on all of its tasks."""
+    runs: dict[Setting, set[str]] = {}
+    for row in rows:
+        if row.keep is None or (models and row.model not in models) or (methods and row.method not in methods + ["none"]):
+            continue
+        names = RELATIVE.get(row.benchmark, (row.benchmark,))
+        runs.setdefault(Setting(row.model, row.method, row.keep), set()).update(BENCHMARKS[b].task for b in names)
+    for model in {s.model for s in runs}:
+        everything = set().union(*(tasks for s, tasks in runs.items() if s.model == model))
+        runs.setdefault(Setting(model, "none", 1.0), set()).update(everything)
+    return {s: sorted(tasks) for s, tasks in sorted(runs.items(), key=lambda kv: (kv[0].model, kv[0].method != "none",
+                                                                                   kv[0].method, -kv[0].keep))}
+
+
+def model_args(setting: Setting, dry_run: bool, batch_size: int, checkpoints: dict[str, str] | None = None) -> str:
+    """``--model_args`` of a run (the dry run: the embedded model on CPU, one thread); ``checkpoints`` maps a
+    model key to a local folder that replaces its hub id (an offline GPU machine)."""
+    model = MODELS[setting.model]
+    common = f"method={setting.method},keep={setting.keep:g},batch_size={batch_size}"
+    if dry_run:
+        return f"pretrained={model.dry_pretrained},{common},device=cpu,threads=1"
+    return f"pretrained={(checkpoints or {}).get(setting.model, model.pretrained)},{common},{model.args}"
+
+
+def lmms_argv(setting: Setting, tasks: list[str], out: Path, dry_run: bool, batch_size: int,
+              limit: int | None, include_path: Path | None, checkpoints: dict[str, str] | None = None) -> list[str]:
+    """The lmms-eval arguments of one run (after ``python -m lmms_eval``)."""
+    argv = ["--model", MODELS[setting.model].lmms_model,
+            "--model_args", model_args(setting, dry_run, batch_size, checkpoints),
+            "--tasks", ",".join([DRY_TASK] if dry_run else tasks), "--output_path", str(out)]
+    if include_path is not None:
+        argv += ["--include_path", str(include_path)]
+    if limit is not None:
+        argv += ["--limit", str(limit)]
+    return argv
+
+
+def results_file(out: Path) -> Path | None:
+    """The newest lmms-eval results JSON under ``out`` (it adds a folder per ``pretrained=ORG/NAME``)."""
+    found = sorted(out.rglob("*_results.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def run_subprocess(argv: list[str], out: Path, launcher: list[str]) -> dict[str, Any]:
+    """One lmms-eval run in its own process (under ``launcher``, e.g. ``accelerate launch ...``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "lmms_eval.log", "w") as log:
+        subprocess.run([*launcher, "-m", "lmms_eval", *argv], stdout=log, stderr=subprocess.STDOUT, check=False)
+    found = results_file(out)
+    if found is None:  # lmms-eval logs its errors and exits 0: the results file is the only sign of success
+        raise RuntimeError(f"lmms-eval wrote no results in {out}; see {out / 'lmms_eval.log'}")
+    return json.loads(found.read_text())
+
+
+def run_in_process(argv: list[str], out: Path, task_manager: Any) -> dict[str, Any]:
+    """The same run through ``lmms_eval.evaluator.simple_evaluate`` in this process (the dry run: one import)."""
+    from lmms_eval.evaluator import simple_evaluate
+
+    args = dict(zip(argv[::2], argv[1::2], strict=True))
+    results = simple_evaluate(model=args["--model"], model_args=args["--model_args"], tasks=args["--tasks"].split(","),
+                              limit=int(args["--limit"]) if "--limit" in args else None, task_manager=task_manager,
+                              log_samples=False)
+    out.mkdir(parents=True, exist_ok=True)
+    kept = {key: results[key] for key in ("results", "config", "throughput") if key in results}
+    (out / "dry_run_results.json").write_text(json.dumps(kept, indent=1, default=str))
+    return kept
+
+
+def execute(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[Setting, dict[str, Any]]:
+    """Run (or reuse) every planned run; returns ``{setting: {"results": file, "wall_s": seconds}}``."""
+    include_path, task_manager = None, None
+    if args.dry_run:
+        from vtprune.eval.lmms_plugin.prepare import prepare
+
+        include_path = prepare(args.out / "tasks", n_images=max(1, (args.limit or 12) // 5 + 1))
+    done: dict[Setting, dict[str, Any]] = {}
+    for number, (setting, tasks) in enumerate(runs.items(), start=1):
+        out = args.out / "runs" / setting.name
+        argv = lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, include_path,
+                         args.checkpoints)
+        timing = out / "wall_s.json"
+        previous = results_file(out)
+        if previous is not None and timing.exists() and not args.dry_run:
+            print(f"[reproduce] {number}/{len(runs)} {setting.name}: reusing {previous}", flush=True)
+            done[setting] = {"results": json.loads(previous.read_text()), **json.loads(timing.read_text())}
+            continue
+        print(f"[reproduce] {number}/{len(runs)} {setting.name}: lmms_eval {shlex.join(argv)}", flush=True)
+        start = time.perf_counter()
+        if args.dry_run:
+            if task_manager is None:
+                import vtprune.eval.lmms_plugin  # noqa: F401  (registers the vtprune models)
+                from lmms_eval.tasks import TaskManager
+
+                task_manager = TaskManager(include_path=str(include_path))
+            results = run_in_process(argv, out, task_manager)
+        else:
+            results = run_subprocess(argv, out, shlex.split(args.launcher))
+        wall = {"wall_s": time.perf_counter() - start}
+        timing.write_text(json.dumps(wall))
+        done[setting] = {"results": results, **wall}
+    return done
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vtprune bench reproduce", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="offline on CPU: embedded models and the local vtprune_shapes task (not comparable)")
+    parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
+    parser.add_argument("--methods", default=None, help="comma list of vtprune methods (default: every method in "
+                        "the data file); the unpruned run of each model is always included")
+    parser.add_argument("--out", type=Path, default=Path("runs/reproduce"), help="folder (default runs/reproduce)")
+    parser.add_argument("--launcher", default=f"{sys.executable}",
+                        help="what starts lmms-eval, before '-m lmms_eval' (default: this Python; eight GPUs: "
+                        "'accelerate launch --num_processes 8')")
+    parser.add_argument("--batch-size", type=int, default=16, help="requests per generate() call (default 16)")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="documents per task (default: all; the dry run: 12)")
+    parser.add_argument("--print-commands", action="store_true", help="print the lmms-eval commands and stop")
+    parser.add_argument("--papers", type=Path, default=PAPERS_CSV, help="the papers' numbers (CSV)")
+    parser.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=FOLDER",
+                        help="a local copy of a model's checkpoint instead of its hub id, e.g. "
+                        "llava-1.5-7b=/data/llava-1.5-7b-hf (repeatable)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or (args.limit is not None and args.limit < 1):
+        parser.error("--batch-size and --limit must be at least 1.")
+    if args.dry_run and args.limit is None:
+        args.limit = 12
+    args.checkpoints = {}
+    for item in args.checkpoint:
+        key, _, folder = item.partition("=")
+        if key not in MODELS or not folder:
+            parser.error(f"--checkpoint {item!r}: give MODEL=FOLDER with MODEL one of {', '.join(MODELS)}.")
+        if not Path(folder, "config.json").is_file():
+            parser.error(f"--checkpoint {item!r}: {folder} holds no config.json; give a saved checkpoint folder.")
+        args.checkpoints[key] = folder
+    rows = load_papers(args.papers)
+    models = args.models.split(",") if args.models else None
+    unknown = sorted(set(models or []) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown --models {', '.join(unknown)}; choose from {', '.join(MODELS)}.")
+    runs = plan(rows, models, args.methods.split(",") if args.methods else None)
+    if not runs:
+        parser.error("nothing to run: no row of the data file matches --models / --methods.")
+    if args.print_commands:
+        for setting, tasks in runs.items():
+            out = args.out / "runs" / setting.name
+            print(shlex.join([*shlex.split(args.launcher), "-m", "lmms_eval",
+                              *lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, None,
+                                         args.checkpoints)]))
+        return 0
+    from vtprune.eval.papers import table as reproduce_table
+
+    done = execute(runs, args)
+    lines = reproduce_table.table([r for r in rows if not models or r.model in models], done, args.dry_run)
+    path = reproduce_table.write(lines, args.out, reproduce_table.conditions(args.dry_run, args.batch_size, args.limit,
+                                                                             args.launcher), args.dry_run)
+    print(path.read_text())
+    print(f"[reproduce] wrote {path} and {path.with_suffix('.csv')}")
+    return 0
+
+
+if __name__ == "__main__":  # run the imported module's main: its classes are the ones reproduce_table compares
+    from vtprune.eval.papers import reproduce
+
+    raise SystemExit(reproduce.main())
