@@ -51,8 +51,9 @@ def chat_prompt(llm, question: str) -> str:
     return llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def generate(llm, items, keeps=None, max_tokens: int = 4):
-    """``[(new token ids, prompt length, cached tokens)]`` of greedy answers; ``keeps[i]``: request keep."""
+def generate(llm, items, keeps=None, max_tokens: int = 4, logprobs: int = 0):
+    """``[(new token ids, prompt length, cached tokens)]`` of greedy answers; ``keeps[i]``: request keep;
+    ``logprobs``: a fourth element, ``{token: log-probability}`` of the first step's top ``logprobs`` tokens."""
     from vllm import SamplingParams
 
     requests = []
@@ -61,9 +62,12 @@ def generate(llm, items, keeps=None, max_tokens: int = 4):
         if keeps is not None and keeps[index] is not None:
             request["mm_processor_kwargs"] = {"vtprune_keep": keeps[index]}
         requests.append(request)
-    outputs = llm.generate(requests, sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                           use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), len(o.prompt_token_ids), o.num_cached_tokens or 0) for o in outputs]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs or None)
+    outputs = llm.generate(requests, sampling_params=params, use_tqdm=False)
+    rows = [(list(o.outputs[0].token_ids), len(o.prompt_token_ids), o.num_cached_tokens or 0) for o in outputs]
+    if logprobs:
+        rows = [row + ({t: p.logprob for t, p in o.outputs[0].logprobs[0].items()},) for row, o in zip(rows, outputs)]
+    return rows
 
 
 def selections(llm, clear: bool = False) -> list[list[int]]:

@@ -11,6 +11,8 @@ import pytest
 import reference
 from conftest import generate, make_llm, selections, shutdown
 
+TOLERANCE = 1e-3  # float32 log-probabilities, vLLM's CPU kernels against transformers' SDPA
+
 
 class FamilyChecks:
     family = ""
@@ -22,7 +24,7 @@ class FamilyChecks:
     def expected(cls, items):
         """vtprune's transformers path: unpruned, divprune 0.25 and 0.5 (token ids, kept indices)."""
         model, processor = reference.load(cls.family)
-        out = {keep: reference.answers(model, processor, items, "divprune", keep, **cls.options)
+        out = {keep: reference.answers(model, processor, items, "divprune", keep, logprobs=True, **cls.options)
                for keep in (0.25, 0.5)}
         out[1.0] = reference.answers(model, processor, items, None, 1.0)
         return out
@@ -46,10 +48,13 @@ class FamilyChecks:
 
     def test_equals_transformers_path(self, engine, items, stock, expected):
         selections(engine, clear=True)
-        got = [generate(engine, [item])[0] for item in items]  # alone: the first chunk ends as `chunk` says
-        assert [ids for ids, _, _ in got] == [ids for ids, _ in expected[0.25]]
-        assert selections(engine) == [kept for _, kept in expected[0.25]]
-        assert [length for _, length, _ in got] == [length - 12 for _, length, _ in stock]  # 4 of 16 per image
+        got = [generate(engine, [item], logprobs=5)[0] for item in items]  # alone: the first chunk ends as set
+        assert [row[0] for row in got] == [row[0] for row in expected[0.25]]
+        assert selections(engine) == [row[1] for row in expected[0.25]]
+        # the first step's log-probabilities too: they move when positions do (greedy answers may not)
+        for (_, _, _, top), (_, _, reference_logprobs) in zip(got, expected[0.25]):
+            assert max(abs(value - reference_logprobs[token]) for token, value in top.items()) < TOLERANCE
+        assert [row[1] for row in got] == [row[1] - 12 for row in stock]  # 4 of 16 placeholders per image
 
     def test_keep_one_equals_stock(self, engine, items, stock):
         got = generate(engine, items, keeps=[1.0] * len(items))

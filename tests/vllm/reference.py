@@ -21,8 +21,10 @@ def prompt(processor, question: str) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def answers(model, processor, items, method: str | None, keep: float, max_new_tokens: int = 4, **options):
-    """Greedy new token ids and kept indices per ``(image, question)``; ``method=None``: unwrapped."""
+def answers(model, processor, items, method: str | None, keep: float, max_new_tokens: int = 4,
+            logprobs: bool = False, **options):
+    """Greedy new token ids and kept indices per ``(image, question)``; ``method=None``: unwrapped.
+    ``logprobs``: a third element, the first generated step's log-probabilities ``[V]`` (a list)."""
     import vtprune
 
     handle = vtprune.wrap(model, method, keep=keep, **options) if method else None
@@ -31,11 +33,14 @@ def answers(model, processor, items, method: str | None, keep: float, max_new_to
         for image, question in items:
             inputs = processor(images=image, text=prompt(processor, question), return_tensors="pt")
             with torch.no_grad():
-                ids = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+                result = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                        output_scores=True, return_dict_in_generate=True)
             kept = None
             if handle is not None:
                 kept = [int(i) for i in handle.last_stats.kept_indices[-1][0]]
-            out.append((ids[0, inputs["input_ids"].shape[1]:].tolist(), kept))
+            ids = result.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            first = torch.log_softmax(result.scores[0][0].float(), dim=-1).tolist()
+            out.append((ids, kept, first) if logprobs else (ids, kept))
     finally:
         if handle is not None:
             handle.remove()
