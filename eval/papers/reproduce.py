@@ -8,7 +8,7 @@ the measured prefill per sample. A run whose results file exists is not run agai
 
 ``--dry-run`` runs the same plan offline on CPU in seconds: the embedded models stand in for the checkpoints
 and every benchmark is the local ``vtprune_shapes`` task (``--limit`` documents), so the table has the papers'
-columns but the measured ones are *not* comparable to them. CI runs it (``tests/test_reproduce.py``).
+columns but the measured ones are *not* comparable to them. CI runs it (``tests/eval/test_reproduce.py``).
 """
 
 from __future__ import annotations

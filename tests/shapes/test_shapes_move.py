@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MOVED = {"vtprune.eval.shapes": "vtprune.shapes.task", "vtprune.eval.shapes_dense": "vtprune.shapes.dense",
          "vtprune.eval.shapes_multi": "vtprune.shapes.multi", "vtprune.eval.shapes_video": "vtprune.shapes.video"}
 

@@ -2,8 +2,8 @@
 method x family (SDPA, keep 0.4, a ragged batch of 2, debias variants included), against a committed file.
 
 Regenerate (only when a selection change is intended, and say why in the commit):
-``python tests/test_selection_golden.py --write``; ``--add`` writes only the cases missing from the file
-(a new method), leaving every existing key as it is.
+``python tests/engine/test_selection_golden.py --write``; ``--add`` writes only the cases missing from the
+file (a new method), leaving every existing key as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import vtprune
 from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_model
 
-GOLDEN = Path(__file__).resolve().parent / "data" / "selection_golden.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "selection_golden.json"
 CASES = ["fastv", "fastv+debias", "pdrop", "pdrop+debias", "ttv", "transprune", "transprune+debias", "vflowopt",
          "random", "random@0", "oracle", "per_frame", "pdrop@compact", "visionzip", "divprune", "dart", "temporal",
          "fastv+debias@release", "pdrop@release", "pdrop+debias@release", "transprune@release"]

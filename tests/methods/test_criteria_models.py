@@ -136,7 +136,7 @@ def test_vflowopt_recycles_and_rejects_unsupported_towers():
     with torch.no_grad(), vtprune.apply(model, "vflowopt", keep=0.25, cell=4.0, r1=0.25, r2=1.0, recycle=False) as h:
         model(**inputs)
     assert h.last_stats.kept[0][0] == base
-    qwen, _ = _model("qwen2_5_vl")  # Qwen-VL towers: tests/test_vflowopt_qwen.py; a windowed block is refused
+    qwen, _ = _model("qwen2_5_vl")  # Qwen-VL towers: test_vflowopt_qwen.py; a windowed block is refused
     pristine = [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in qwen.named_modules()]
     with pytest.raises(ValueError, match="vit_layer=0 is not a full-attention block"):
         vtprune.wrap(qwen, "vflowopt", keep=0.25, vit_layer=0)

@@ -6,7 +6,7 @@ import csv
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_dry_run_writes_its_files(tmp_path):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # After `import vtprune.methods` only: the registry; then every module of the package is imported by hand and
 # each class declaring its own string `name` (a method; the abstract bases keep "custom") is listed.

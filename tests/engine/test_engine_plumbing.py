@@ -12,7 +12,7 @@ import pytest
 
 from vtprune.config import PruneConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_prune_config_is_frozen_and_replace_derives_a_checked_copy():

@@ -11,7 +11,7 @@ import torch
 import vtprune
 from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_readme_scorer_example_runs(capsys):

@@ -17,7 +17,7 @@ from vtprune.eval._moved import MOVED
 from vtprune.cli import main as cli
 from vtprune.cli.commands import BENCH_KINDS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # what may stay flat in eval/: the package, the shims' table, a helper shared by every concern, and the
 # serving benchmark (moved with the vLLM work)
 FLAT = {"__init__", "_moved", "provenance", "bench_serving"}

@@ -150,7 +150,7 @@ def test_import_vtprune_does_not_import_the_applications():
 
 
 def test_quickstart_is_two_commands_and_ends_with_the_activation_step():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     readme = root / "README.md"
     block = readme.read_text().split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     assert [line.split()[0] for line in block.splitlines() if line.strip()] == ["./quickstart.sh", "./test.sh"]
