@@ -125,14 +125,14 @@ def _parse_bench_kind(kind: str, module: str, argv: list[str], monkeypatch) -> N
 
 @pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
 def test_every_documented_command_line_parses(doc, monkeypatch):
-    from vtprune.cli import build_parser
+    from vtprune.cli import build_parser, parse_command
     from vtprune.cli.commands import bench_kind_main
 
     parser = build_parser()
     for words in _command_lines(doc):
         try:
             kind = bench_kind_main(words)  # `bench KIND ...`: the kind's own options
-            parser.parse_args(words) if kind is None else _parse_bench_kind(*kind, monkeypatch)
+            parse_command(parser, words) if kind is None else _parse_bench_kind(*kind, monkeypatch)
         except SystemExit:
             pytest.fail(f"{doc.name}: `vtprune {' '.join(words)}` does not parse")
 

@@ -195,13 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     kind = bench_kind_main(argv)  # `vtprune bench KIND ...`: the kind's own main and options
     if kind is not None:
         return run_reporting_errors(lambda: run_bench_kind(*kind), "vtprune")
-    parser = build_parser()
+    args = parse_command(build_parser(), argv)
+    return run_reporting_errors(lambda: args.func(args), "vtprune")
+
+
+def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse a command line; only a command with ``passthrough`` (``serve``: vLLM's options) takes unknown options."""
     args, extra = parser.parse_known_args(argv)
-    if extra:  # only `serve` passes unknown options on (to vLLM)
+    if extra:
         if getattr(args, "passthrough", None) is None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.passthrough = list(extra)
-    return run_reporting_errors(lambda: args.func(args), "vtprune")
+    return args
 
 
 def run_reporting_errors(command: Callable[[], int | None], program: str) -> int:
