@@ -20,7 +20,7 @@ from vtprune.cli.commands import BENCH_KINDS
 ROOT = Path(__file__).resolve().parents[2]
 # what may stay flat in eval/: the package, the shims' table, a helper shared by every concern, and the
 # serving benchmark (moved with the vLLM work)
-FLAT = {"__init__", "_moved", "provenance", "bench_serving"}
+FLAT = {"__init__", "_moved", "provenance"}
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:

@@ -45,7 +45,7 @@ BENCH_KINDS: dict[str, tuple[str | None, str]] = {
     "speed-report": ("vtprune.eval.speed.report", "Markdown table and plots of a speed CSV (--merge: reruns)"),
     "kernels": ("vtprune.eval.kernels.bench", "the kernels: Triton vs their torch twins, latency per size"),
     "plot-kernels": ("vtprune.eval.kernels.plot", "one PNG per kernel from the kernel benchmark CSVs"),
-    "serving": ("vtprune.eval.bench_serving", "vLLM with the plugin: requests/s, TTFT, TPOT, pruned vs unpruned"),
+    "serving": ("vtprune.eval.speed.serving", "vLLM with the plugin: requests/s, TTFT, TPOT, pruned vs unpruned"),
     "reproduce": ("vtprune.eval.papers.reproduce", "the papers' tables with lmms-eval, beside the papers' numbers"),
     "lmms-prepare": ("vtprune.eval.lmms_plugin.prepare", "write the vtprune-shapes lmms-eval tasks and their data"),
     "train": ("vtprune.eval.training.train", "train an embedded tiny VLM from scratch on CPU"),

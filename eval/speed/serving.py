@@ -1,7 +1,7 @@
 """Serving benchmark: vLLM with vtprune's plugin, pruned vs unpruned, as users measure serving (and vs vtprune's
 transformers path).
 
-``python -m vtprune.eval.bench_serving`` (in the vLLM venv; from the main venv it re-runs itself there) sends
+``vtprune bench serving`` (in the vLLM venv; from the main venv it re-runs itself there) sends
 ``--requests`` requests with distinct random images at each ``--concurrency`` to an in-process vLLM engine
 (``AsyncLLM``, what the OpenAI server runs) and records requests/s, time to first token (TTFT), time per
 output token (TPOT) and KV-cache tokens per request, for the unpruned model and ``--method`` at ``--keep``;
@@ -298,7 +298,7 @@ def plot(out: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("bench_serving: no matplotlib here; run `python -m vtprune.eval.bench_serving --plot-only "
+        print("bench_serving: no matplotlib here; run `vtprune bench serving --plot-only "
               f"{out}` in the main venv for the plot", file=sys.stderr)
         return
     with open(out / "serving.csv") as handle:
@@ -318,7 +318,7 @@ def plot(out: Path) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vtprune.eval.bench_serving", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="vtprune bench serving", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="proxy576,embedded:llava", help="proxy576, proxy7b, embedded:llava")
     parser.add_argument("--method", default="divprune", help="the pruned rows' method (divprune or random)")
     parser.add_argument("--keep", type=float, default=0.25, help="keep fraction of the pruned rows")
@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         from vtprune.vllm.serve import vllm_python
 
-        return subprocess.call([vllm_python(), "-m", "vtprune.eval.bench_serving", *(argv or sys.argv[1:])])
+        forwarded = sys.argv[1:] if argv is None else argv
+        return subprocess.call([vllm_python(), "-m", "vtprune.eval.speed.serving", *forwarded])
     from vtprune.vllm.export import cache_root, model_folder
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU (ignored on a GPU)
