@@ -144,6 +144,10 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             "use positions='original'."
         )
     retention = scorer.kv_retention()
+    if retention is not None and config.stages is not None:
+        raise ValueError(
+            f"method {scorer.name!r} keeps every token and evicts cache entries at every layer: it takes no "
+            f"schedule (got {config.stages!r}); drop schedule= and set keep= (the average share of visual keys kept).")
     kv = None if retention is None else kv_plan(retention, adapter, config.keep)
     return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting, kv=kv)
 

@@ -268,3 +268,10 @@ def test_prefixkv_query_rows_beyond_the_prompt_are_every_row():
             model(**inputs)
             kept.append(handle.last_stats.kept_indices)
     assert kept[0] == kept[1]
+
+
+def test_a_schedule_for_kv_retention_is_refused_not_ignored():
+    """PrefixKV prunes no sequence: a schedule would be silently ignored, so it is refused at wrap time."""
+    model, _ = tiny_model("llava")
+    with pytest.raises(ValueError, match="takes no schedule"):
+        vtprune.wrap(model, "prefixkv", keep=0.5, schedule="2:0.5")
