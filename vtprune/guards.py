@@ -8,7 +8,8 @@ it refuses, at the call and in one line, the decoding paths whose results a prun
 (``use_cache=False``, static caches, assisted / prompt-lookup decoding, chunked prefill), and it records how
 long the conversation given to a ``generate()`` that continues a pruned cache is (a follow-up turn), so that
 the engine feeds the language model only the tokens the cache has not seen even when ``generate()`` dropped an
-all-ones attention mask.
+all-ones attention mask; the seen tokens' ``mm_token_type_ids`` are marked text there, so that Qwen-VL's
+``generate()`` does not take a seen image beyond the pruned cache's length for a new one (:func:`seen_tokens_as_text`).
 """
 
 from __future__ import annotations
@@ -146,10 +147,31 @@ class GenerateGuard(_Guard):
         tokens = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
-        if cache is None or tokens is None or calls.lookup(cache) is None:
+        call = calls.lookup(cache) if cache is not None else None
+        if tokens is None or call is None:
             return self.wrapped(*args, **kwargs)
+        kwargs = seen_tokens_as_text(cache, call.prompt_length + call.decoded, kwargs)
         with calls.continuing(cache, tokens.shape[1]):
             return self.wrapped(*args, **kwargs)
+
+
+def seen_tokens_as_text(cache: Any, seen: int, kwargs: dict) -> dict:
+    """``kwargs`` with ``mm_token_type_ids`` zeroed over the ``seen`` tokens when ``cache`` holds fewer entries.
+
+    Qwen-VL's ``generate()`` continuing a cache looks for new images in the token types beyond the cache's
+    length. After a pre-LLM stage (or KV retention) layer 0 holds fewer entries than the tokens it has seen, so
+    that range can start inside the (already seen) image: ``generate()`` then takes it for a new image and, with
+    no ``image_grid_thw``, numbers the turn as plain text and resets ``rope_deltas`` to 0, shifting every new
+    token's M-RoPE position by the image's delta (-12 on a 4x4 grid; a follow-up turn after pruning 12 of 16
+    tokens went wrong while pruning 8 did not). The seen tokens are in the cache, none of them is new: marked
+    as text, ``generate()`` continues from the prompt's ``rope_deltas`` (the original positions).
+    """
+    types = kwargs.get("mm_token_type_ids")
+    if getattr(types, "dim", lambda: 0)() != 2 or cache.get_seq_length() >= seen:
+        return kwargs
+    types = types.clone()
+    types[:, :seen] = 0
+    return {**kwargs, "mm_token_type_ids": types}
 
 
 def install(model: Any, calls: CallRegistry) -> list[weakref.ref]:

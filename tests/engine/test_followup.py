@@ -133,10 +133,19 @@ def test_chat_reuse_equals_reprefill_without_pruning_and_differs_only_by_pruning
         chat(model, processor, sample.image, questions, "sometimes")
 
 
+def _at_keep(options: dict, keep: float) -> dict:
+    """``options`` with ``{keep}`` in a schedule filled in."""
+    return {k: v.format(keep=keep) if isinstance(v, str) else v for k, v in options.items()}
+
+
+# keep=0.25 on the embedded Qwen2-VL: the pruned layer-0 cache (18 entries) ends inside the image (tokens 3-18),
+# which generate() took for a new image, resetting rope_deltas (turn 2 off by up to 2.8 in logits); keep=0.5
+# (22 entries) passed by luck.
+@pytest.mark.parametrize("keep", [0.5, 0.25])
 @pytest.mark.parametrize("spec", ["embedded:llava", "embedded:qwen2_vl"])
-@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:0.5"}), ("divprune", {}),
+@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:{keep}"}), ("divprune", {}),
                                                  ("visionzip", {})])
-def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, options):
+def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, options, keep):
     """docs/methods.md: a query-agnostic pre-LLM method keeps the same tokens whichever question is asked, so
     continuing turn 1's pruned cache (reuse) answers exactly as re-running the conversation (reprefill)."""
     import warnings
@@ -148,16 +157,17 @@ def test_chat_reuse_equals_reprefill_for_query_agnostic_methods(spec, method, op
     model, processor = load(spec, device="cpu")
     sample = make_split("test", 3)[2]
     questions = [q.text for q in sample.questions[:3]]
-    with vtprune.apply(model, method, keep=0.5, **options), warnings.catch_warnings():
+    with vtprune.apply(model, method, keep=keep, **_at_keep(options, keep)), warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # the cache is reused: no re-tokenization fallback
         assert chat(model, processor, sample.image, questions, "reuse", max_new_tokens=12) == \
             chat(model, processor, sample.image, questions, "reprefill", max_new_tokens=12)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.25])
 @pytest.mark.parametrize("spec", ["embedded:llava", "embedded:qwen2_vl"])
-@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:0.5"}), ("divprune", {}),
+@pytest.mark.parametrize(("method", "options"), [("random", {"schedule": "0:{keep}"}), ("divprune", {}),
                                                  ("prefixkv", {})])
-def test_chat_followup_turn_on_an_embedded_model_equals_the_reference(spec, method, options):
+def test_chat_followup_turn_on_an_embedded_model_equals_the_reference(spec, method, options, keep):
     """What ``chat(followup="reuse")`` runs: turn 2 continues turn 1's cache with the re-tokenized conversation
     and an all-ones mask (which generate() drops); its logits equal the independent reference."""
     from vtprune.models.chat import _messages
@@ -173,7 +183,7 @@ def test_chat_followup_turn_on_an_embedded_model_equals_the_reference(spec, meth
         text = processor.apply_chat_template(_messages(questions[:len(answers) + 1], answers), add_generation_prompt=True)
         return dict(processor(text=[text], images=[sample.image], return_tensors="pt"))
 
-    with torch.no_grad(), vtprune.apply(model, method, keep=0.5, **options) as handle:
+    with torch.no_grad(), vtprune.apply(model, method, keep=keep, **_at_keep(options, keep)) as handle:
         first = encode([])
         turn1 = model.generate(**first, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
         kept, stages = [k[0] for k in handle.last_stats.kept_indices], [s.layer for s in handle.stages]
