@@ -34,7 +34,7 @@ def test_engine_tests_stay_wired_into_ci():
 @pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "dart", "prefixkv"])
 def test_layer_wise_methods_refused_in_one_line(method):
     with pytest.raises(ValueError, match="prunes inside the language model.*methods that work in vLLM: divprune, "
-                                         "random") as error:
+                                         "random, temporal") as error:
         settings.check_method(method)
     assert "\n" not in str(error.value)
 
@@ -107,6 +107,22 @@ def test_selection_is_a_pure_function_of_inputs_and_seed():
                                                                                      seed=3))
     assert not torch.equal(select_rows("random", embeddings, 0.25, seed=3), select_rows("random", embeddings, 0.25))
     assert select_rows("divprune", embeddings, 0.25, frames=4).numel() == kept_count(0.25, 64, 4) == 16
+
+
+def test_temporal_keeps_the_first_frame_then_the_changed_rows():
+    """4 frames of 8 rows, each a copy of the previous except rows 2 (frame 1) and 5 (frame 3): at keep 10/32 the
+    video keeps frame 0 whole and the two changed rows (vtprune's rule: one budget over the whole video)."""
+    first = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    frames = [first, first.clone(), None, None]
+    frames[1][2] = -first[2]
+    frames[2] = frames[1].clone()
+    frames[3] = frames[2].clone()
+    frames[3][5] = -first[5]
+    video = torch.cat(frames)
+    assert kept_count(10 / 32, 32, 4, "temporal") == 10 != kept_count(10 / 32, 32, 4)
+    assert select_rows("temporal", video, 10 / 32, frames=4).tolist() == [*range(8), 8 + 2, 24 + 5]
+    assert kept_count(0.25, 16, 1, "temporal") == 16  # an image has no previous frame: kept whole
+    assert select_rows("temporal", first, 0.25).tolist() == list(range(8))
 
 
 def unpruned_positions(text_before: int, grid: tuple[int, int, int], text_after: int) -> torch.Tensor:

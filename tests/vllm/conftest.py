@@ -34,7 +34,8 @@ def make_llm(family: str, pruned: bool = True, method: str = "divprune", keep: f
     overrides = ({"architectures": [PRUNED[family]], "vtprune": {"method": method, "keep": keep}}
                  if pruned else None)
     settings = dict(enforce_eager=True, dtype="float32", max_model_len=256, seed=0, hf_overrides=overrides,
-                    limit_mm_per_prompt={"image": 2}, max_num_seqs=8)
+                    limit_mm_per_prompt={"image": 2, "video": 1} if family == "qwen2_vl" else {"image": 2},
+                    max_num_seqs=8)
     settings.update(options)
     return LLM(model_folder(f"embedded:{family}"), **settings)
 
@@ -46,19 +47,21 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-def chat_prompt(llm, question: str) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def chat_prompt(llm, question: str, images: int = 1) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]}]
     return llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def generate(llm, items, keeps=None, max_tokens: int = 4, logprobs: int = 0):
     """``[(new token ids, prompt length, cached tokens)]`` of greedy answers; ``keeps[i]``: request keep;
-    ``logprobs``: a fourth element, ``{token: log-probability}`` of the first step's top ``logprobs`` tokens."""
+    ``logprobs``: a fourth element, ``{token: log-probability}`` of the first step's top ``logprobs`` tokens.
+    An item's image may be a list of images (several per prompt, in that order)."""
     from vllm import SamplingParams
 
     requests = []
     for index, (image, question) in enumerate(items):
-        request = {"prompt": chat_prompt(llm, question), "multi_modal_data": {"image": image}}
+        count = len(image) if isinstance(image, list) else 1
+        request = {"prompt": chat_prompt(llm, question, count), "multi_modal_data": {"image": image}}
         if keeps is not None and keeps[index] is not None:
             request["mm_processor_kwargs"] = {"vtprune_keep": keeps[index]}
         requests.append(request)
@@ -86,3 +89,24 @@ def items():
     from vtprune.shapes.task import make_split
 
     return [(sample.image, sample.questions[0].text) for sample in make_split("test", QUESTIONS)]
+
+
+@pytest.fixture(scope="session")
+def clip():
+    """``(frames, question)``: 8 frames (112 x 112, 4 temporal patches on Qwen2-VL) of a vtprune-shapes video."""
+    from vtprune.shapes.video import generate_video_sample
+
+    sample = generate_video_sample(0, 0)
+    return sample.frames[:8], sample.questions[0].text
+
+
+def generate_video(llm, frames, question: str, max_tokens: int = 4) -> list[int]:
+    """Greedy new token ids of one video request (the prompt of :func:`reference.video_prompt`)."""
+    import numpy as np
+    import reference
+    from vllm import SamplingParams
+
+    request = {"prompt": reference.video_prompt(llm.get_tokenizer(), question),
+               "multi_modal_data": {"video": np.stack([np.asarray(f) for f in frames])}}
+    out = llm.generate([request], SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids)

@@ -78,3 +78,24 @@ class FamilyChecks:
         assert full[0] == want[1.0]
         assert full[1] - first[1] == 12  # 16 vs 4 placeholders
         assert again[2] >= 32  # the repeat hit the prefix cache (its own keep's blocks)
+
+    def test_two_images_per_prompt(self, engine, items):
+        """Each image keeps ``keep_count(keep, n_i)``; at 0.25 of two 16-token images that is also the transformers
+        path's ``keep_count(keep, 32)``, so kept indices (over the prompt's 32 visual tokens) and answers agree."""
+        item = ([items[0][0], items[1][0]], items[1][1])
+        model, processor = reference.load(self.family)
+        (want_ids, want_kept), = reference.answers(model, processor, [item], "divprune", 0.25, **self.options)
+        selections(engine, clear=True)
+        (ids, _, _), = generate(engine, [item])
+        first, second = selections(engine)
+        assert ids == want_ids
+        assert first + [16 + i for i in second] == want_kept
+        assert len(first) == len(second) == 4
+        # where the two roundings differ (0.28: 4 + 4 per image, keep_count(0.28, 32) = 9 per prompt) the
+        # transformers path gives one image a fifth pick; the plugin keeps each image's first four (a subset)
+        (_, want_kept), = reference.answers(model, processor, [item], "divprune", 0.28, max_new_tokens=1,
+                                            **self.options)
+        generate(engine, [item], keeps=[0.28], max_tokens=1)
+        first, second = selections(engine)[-2:]
+        assert len(want_kept) == 9 and len(first) == len(second) == 4
+        assert set(first + [16 + i for i in second]) < set(want_kept)

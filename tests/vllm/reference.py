@@ -15,15 +15,16 @@ def load(family: str):
     return load_model(f"embedded:{family}")[:2]
 
 
-def prompt(processor, question: str) -> str:
-    """The folder's chat template around one image and ``question`` (the same text vLLM renders)."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def prompt(processor, question: str, images: int = 1) -> str:
+    """The folder's chat template around ``images`` images and ``question`` (the same text vLLM renders)."""
+    messages = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]}]
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def answers(model, processor, items, method: str | None, keep: float, max_new_tokens: int = 4,
             logprobs: bool = False, **options):
-    """Greedy new token ids and kept indices per ``(image, question)``; ``method=None``: unwrapped.
+    """Greedy new token ids and kept indices per ``(image, question)``; ``method=None``: unwrapped. An image may
+    be a list (several per prompt); the kept indices then count over all of the prompt's visual tokens.
     ``logprobs``: a third element, the first generated step's log-probabilities ``[V]`` (a list)."""
     import vtprune
 
@@ -31,7 +32,8 @@ def answers(model, processor, items, method: str | None, keep: float, max_new_to
     out = []
     try:
         for image, question in items:
-            inputs = processor(images=image, text=prompt(processor, question), return_tensors="pt")
+            count = len(image) if isinstance(image, list) else 1
+            inputs = processor(images=image, text=prompt(processor, question, count), return_tensors="pt")
             with torch.no_grad():
                 result = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                         output_scores=True, return_dict_in_generate=True)
@@ -45,3 +47,24 @@ def answers(model, processor, items, method: str | None, keep: float, max_new_to
         if handle is not None:
             handle.remove()
     return out
+
+
+def video_prompt(processor, question: str) -> str:
+    """A one-video prompt as vtprune's video route writes it for a template without video entries
+    (:func:`vtprune.media.video.frame_prompts`: the image placeholder becomes the video placeholder)."""
+    return prompt(processor, question).replace("<|image_pad|>", "<|video_pad|>")
+
+
+def video_answers(model, processor, frames, question: str, method: str, keep: float, max_new_tokens: int = 4):
+    """``(new token ids, kept indices)`` of one video (a list of frames, the model's own video processor)."""
+    import vtprune
+
+    handle = vtprune.wrap(model, method, keep=keep)
+    try:
+        inputs = processor(text=video_prompt(processor, question), videos=[list(frames)], return_tensors="pt")
+        with torch.no_grad():
+            result = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        kept = [int(i) for i in handle.last_stats.kept_indices[-1][0]]
+    finally:
+        handle.remove()
+    return result[0, inputs["input_ids"].shape[1]:].tolist(), kept

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vtprune.vllm.select import kept_count, select_rows
+from vtprune.vllm.select import ITEM_BUDGET, kept_count, select_rows
 from vtprune.vllm.settings import REQUEST_KEY, VllmPruning, check_vllm_version
 
 PPM = 1_000_000
@@ -52,7 +52,10 @@ class PrunedProcessorMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_vllm_version()
-        self.vtprune_settings()  # refuse bad settings when vLLM builds the processor (at start-up)
+        method = self.vtprune_settings().method  # refuse bad settings when vLLM builds the processor (at start-up)
+        if method in ITEM_BUDGET and "video" not in self.item_fields:
+            raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames and this model "
+                             "takes no video in vLLM; serve an image method such as 'divprune' or 'random'.")
 
     def vtprune_settings(self) -> VllmPruning:
         return VllmPruning.from_config(self.info.get_hf_config())
@@ -91,7 +94,8 @@ class PrunedProcessorMixin:
                 raise TypeError(f"vtprune: unexpected placeholder replacement {type(tokens).__name__}.")
             item = out_mm_kwargs[modality][item_idx]
             keep = int(item[keep_field(modality)].data) / PPM
-            return tokens[:kept_count(keep, len(tokens), self.item_frames(item, modality))]
+            method = self.vtprune_settings().method
+            return tokens[:kept_count(keep, len(tokens), self.item_frames(item, modality), method)]
 
         return dataclasses.replace(update, replacement=replacement)
 

@@ -1,10 +1,13 @@
 """The plugin's selection: which rows of one image's (or video's) LLM-input embeddings stay. Pure tensor functions.
 
 One implementation: the ranking is vtprune's own (:func:`vtprune.methods.divprune.max_min_order` on
-:func:`~vtprune.methods.divprune.cosine_distance`, :func:`vtprune.methods.baselines.random_values`); this module
-only applies it to one vLLM multimodal item. Each frame (temporal patch) of an item keeps
-``keep_count(keep, n_frame)`` rows, an image (one frame) ``keep_count(keep, n)``: the count is a function of the
-grid and ``keep`` alone, so vLLM's front end reserves exactly that many placeholders before the tower runs.
+:func:`~vtprune.methods.divprune.cosine_distance`, :func:`vtprune.methods.baselines.random_values`,
+:func:`vtprune.methods.temporal.temporal_scores`); this module only applies it to one vLLM multimodal item.
+``divprune`` / ``random``: each frame (temporal patch) of an item keeps ``keep_count(keep, n_frame)`` rows, an
+image (one frame) ``keep_count(keep, n)``. ``temporal`` (video only): the video keeps ``keep_count(keep, n)`` rows
+over all its frames, the most changed since the previous frame (vtprune's rule); an image (one frame) has no
+previous frame and stays whole. The count is a function of the grid, the method and ``keep`` alone, so vLLM's
+front end reserves exactly that many placeholders before the tower runs.
 The result depends only on the embeddings, ``keep``, the grid and the seed (no global state), so every
 tensor-parallel rank that sees the same embeddings selects the same rows.
 """
@@ -23,9 +26,32 @@ def frame_sizes(num_rows: int, frames: int = 1) -> list[int]:
     return [num_rows // frames] * frames
 
 
-def kept_count(keep: float, num_rows: int, frames: int = 1) -> int:
-    """Rows an item keeps: ``sum_f keep_count(keep, n_f)`` over its frames (one frame for an image)."""
+#: Methods whose budget is the whole item (all frames together), not each frame's own share.
+ITEM_BUDGET = ("temporal",)
+
+
+def kept_count(keep: float, num_rows: int, frames: int = 1, method: str = "divprune") -> int:
+    """Rows an item keeps: ``sum_f keep_count(keep, n_f)`` over its frames (one frame for an image);
+    ``keep_count(keep, n)`` over the whole item for :data:`ITEM_BUDGET` methods (all ``n`` for an image)."""
+    if method in ITEM_BUDGET:
+        return keep_count(keep, num_rows) if len(frame_sizes(num_rows, frames)) > 1 else num_rows
     return sum(keep_count(keep, n) for n in frame_sizes(num_rows, frames))
+
+
+def temporal_rows(embeddings: torch.Tensor, keep: float, frames: int) -> torch.Tensor:
+    """Indices ``[keep_count(keep, n)]`` (unsorted) of one video's rows ``[n, D]`` of ``frames`` equal frames with
+    the highest :func:`vtprune.methods.temporal.temporal_scores` (first frame first; ties: the earlier row)."""
+    from vtprune.adapters.base import VisualSegment
+    from vtprune.methods.temporal import previous_positions, temporal_scores
+
+    n = embeddings.shape[0]
+    if frames <= 1 or n % frames:
+        raise ValueError(f"vtprune: method 'temporal' needs a video of several frames (temporal patches), got "
+                         f"{frames} frame(s) of {n} rows; use 'divprune' for images.")
+    per = n // frames
+    previous = previous_positions([VisualSegment(0, frames, per, 1, kind="video")], n)
+    scores = temporal_scores(embeddings, previous)
+    return torch.sort(-scores, stable=True).indices[:keep_count(keep, n)]
 
 
 def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int = 1, seed: int = 0
@@ -33,8 +59,13 @@ def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int 
     """Sorted indices ``[kept_count(keep, n, frames)]`` (long) of the rows of ``embeddings`` ``[n, D]`` to keep.
 
     ``divprune``: each frame keeps its first ``keep_count`` greedy max-min picks (cosine distance);
-    ``random``: each frame keeps its rows with the highest seeded random values (ties: the earlier row).
+    ``random``: each frame keeps its rows with the highest seeded random values (ties: the earlier row);
+    ``temporal``: :func:`temporal_rows` over the whole item.
     """
+    if method == "temporal":
+        if len(frame_sizes(embeddings.shape[0], frames)) == 1:  # an image: no previous frame, kept whole
+            return torch.arange(embeddings.shape[0], device=embeddings.device)
+        return torch.sort(temporal_rows(embeddings, keep, frames).to(embeddings.device)).values
     from vtprune.methods.baselines import random_values
     from vtprune.methods.divprune import cosine_distance, max_min_order
 

@@ -13,11 +13,17 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-VLLM_METHODS = ("divprune", "random")
+VLLM_METHODS = ("divprune", "random", "temporal")
 #: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
-#: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet.
-NOT_YET = ("visionzip", "temporal", "vflowopt", "per_frame", "oracle")
+#: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
+NOT_YET = {
+    "visionzip": "it needs the vision tower's attention at a tower layer, recomputed inside vLLM's own tower "
+                 "modules (not wired yet), and it merges contextual tokens into new rows",
+    "vflowopt": "its pre-LLM stage (tower importance map, recycling) is not wired into the plugin",
+    "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
+    "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
+}
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
 REQUEST_KEY = "vtprune_keep"
@@ -64,8 +70,8 @@ def check_method(method: Any) -> str:
         raise ValueError(f"vtprune: {name!r}: +debias corrects attention scores and applies to layer-wise methods "
                          f"only; methods that work in vLLM: {works}.")
     if base in NOT_YET:
-        raise ValueError(f"vtprune: method {name!r} is not available in the vLLM plugin yet; methods that work in "
-                         f"vLLM: {works}.")
+        raise ValueError(f"vtprune: method {name!r} is not available in the vLLM plugin yet ({NOT_YET[base]}); "
+                         f"methods that work in vLLM: {works}.")
     raise ValueError(f"vtprune: unknown method {name!r}; methods that work in vLLM: {works}.")
 
 
