@@ -152,3 +152,14 @@ def test_demo_uploads_use_the_same_image_checks(tmp_path):
     _photo().transpose(Image.Transpose.ROTATE_90).save(tmp_path / "phone.jpg", exif=exif, quality=95)
     assert check_upload(tmp_path / "phone.jpg", [tmp_path]) == "image"
     assert load_image(tmp_path / "phone.jpg").size == _photo().size
+
+
+def test_a_truncated_image_is_refused_even_where_pillow_was_told_to_accept_them(tmp_path, monkeypatch):
+    """lmms-eval's import sets Pillow's process-wide LOAD_TRUNCATED_IMAGES; vtprune still refuses the file."""
+    from PIL import ImageFile
+
+    path, words = _bad_files(tmp_path)["truncated"]
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(UserError, match=re.escape(words)):
+        open_image(path)
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # the caller's setting is left as it was

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from vtprune.errors import UserError
 
@@ -44,7 +44,7 @@ def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             with Image.open(file) as image:
                 check_image_size(image.size, name, max_pixels, max_aspect)
-                image.load()
+                _load_strictly(image)
                 return to_rgb(image)
     except UserError:
         raise
@@ -60,6 +60,17 @@ def open_image(path: str | Path, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect:
     except (OSError, SyntaxError, ValueError) as error:
         raise UserError(f"image {name!r} is truncated or corrupt ({_first_line(error)}); re-export or "
                         "re-download it.") from error
+
+
+def _load_strictly(image: Image.Image) -> None:
+    """Decode ``image``; a truncated file raises even where a library (lmms-eval imports set it) switched on
+    Pillow's process-wide ``ImageFile.LOAD_TRUNCATED_IMAGES``, which fills the missing rows silently."""
+    lenient = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        image.load()
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = lenient
 
 
 def check_image_file(file: Path, name: str) -> None:
