@@ -43,7 +43,9 @@ def test_layer_wise_methods_refused_in_one_line(method):
                                         ({"keep": "x"}, "not a number"), ({"method": "fastv+debias"}, "inside the LM|"
                                         "prunes inside"), ({"method": "divprune+debias"}, r"\+debias"),
                                         ({"method": "visionzip"}, "not available in the vLLM plugin yet"),
-                                        ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting")])
+                                        ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting"),
+                                        ({"method": "divprune", "count": "evs"}, "with method 'temporal'"),
+                                        ({"method": "temporal", "count": "x"}, "count='x'")])
 def test_bad_settings_refused(raw, match):
     with pytest.raises(ValueError, match=match):
         settings.VllmPruning.from_dict(raw)
@@ -123,6 +125,10 @@ def test_temporal_keeps_the_first_frame_then_the_changed_rows():
     assert select_rows("temporal", video, 10 / 32, frames=4).tolist() == [*range(8), 8 + 2, 24 + 5]
     assert kept_count(0.25, 16, 1, "temporal") == 16  # an image has no previous frame: kept whole
     assert select_rows("temporal", first, 0.25).tolist() == list(range(8))
+    # vLLM's EVS count: never below one frame, int() of the rest (tests/vllm/test_evs_parity.py checks the rows)
+    assert kept_count(0.1, 32, 4, "temporal_evs") == 8 and kept_count(0.1, 32, 4, "temporal") == 3
+    assert kept_count(0.3, 32, 4, "temporal_evs") == 9 != kept_count(0.3, 32, 4, "temporal") == 10
+    assert settings.VllmPruning.from_dict({"method": "temporal", "count": "evs"}).selection == "temporal_evs"
 
 
 def unpruned_positions(text_before: int, grid: tuple[int, int, int], text_after: int) -> torch.Tensor:

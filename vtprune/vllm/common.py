@@ -94,7 +94,7 @@ class PrunedProcessorMixin:
                 raise TypeError(f"vtprune: unexpected placeholder replacement {type(tokens).__name__}.")
             item = out_mm_kwargs[modality][item_idx]
             keep = int(item[keep_field(modality)].data) / PPM
-            method = self.vtprune_settings().method
+            method = self.vtprune_settings().selection
             return tokens[:kept_count(keep, len(tokens), self.item_frames(item, modality), method)]
 
         return dataclasses.replace(update, replacement=replacement)
@@ -133,7 +133,7 @@ class PrunedModelMixin:
 
     def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int = 1) -> torch.Tensor:
         """Sorted kept row indices ``[k]`` of one item ``[n, D]``; tensor-parallel ranks use rank 0's."""
-        rows = broadcast_from_first_rank(select_rows(self.vtprune.method, embeddings, keep, frames,
+        rows = broadcast_from_first_rank(select_rows(self.vtprune.selection, embeddings, keep, frames,
                                                      self.vtprune.seed))
         self.vtprune_selections.append(rows.tolist())
         return rows

@@ -6,7 +6,8 @@ One implementation: the ranking is vtprune's own (:func:`vtprune.methods.divprun
 ``divprune`` / ``random``: each frame (temporal patch) of an item keeps ``keep_count(keep, n_frame)`` rows, an
 image (one frame) ``keep_count(keep, n)``. ``temporal`` (video only): the video keeps ``keep_count(keep, n)`` rows
 over all its frames, the most changed since the previous frame (vtprune's rule); an image (one frame) has no
-previous frame and stays whole. The count is a function of the grid, the method and ``keep`` alone, so vLLM's
+previous frame and stays whole. ``temporal_evs`` (``"count": "evs"``): the same scores counted as vLLM's EVS counts
+(``max(h * w, int(n * keep))``, never below one frame). The count is a function of the grid, the method and ``keep`` alone, so vLLM's
 front end reserves exactly that many placeholders before the tower runs.
 The result depends only on the embeddings, ``keep``, the grid and the seed (no global state), so every
 tensor-parallel rank that sees the same embeddings selects the same rows.
@@ -27,20 +28,29 @@ def frame_sizes(num_rows: int, frames: int = 1) -> list[int]:
 
 
 #: Methods whose budget is the whole item (all frames together), not each frame's own share.
-ITEM_BUDGET = ("temporal",)
+ITEM_BUDGET = ("temporal", "temporal_evs")
+
+
+def evs_count(keep: float, num_rows: int, frames: int) -> int:
+    """vLLM's EVS count of a video of ``frames`` equal frames at pruning rate ``q = 1 - keep``:
+    ``max(rows per frame, int(num_rows * (1 - q)))``."""
+    return max(num_rows // frames, int(num_rows * (1 - (1 - keep))))
 
 
 def kept_count(keep: float, num_rows: int, frames: int = 1, method: str = "divprune") -> int:
     """Rows an item keeps: ``sum_f keep_count(keep, n_f)`` over its frames (one frame for an image);
     ``keep_count(keep, n)`` over the whole item for :data:`ITEM_BUDGET` methods (all ``n`` for an image)."""
     if method in ITEM_BUDGET:
-        return keep_count(keep, num_rows) if len(frame_sizes(num_rows, frames)) > 1 else num_rows
+        if len(frame_sizes(num_rows, frames)) == 1:
+            return num_rows
+        return evs_count(keep, num_rows, frames) if method == "temporal_evs" else keep_count(keep, num_rows)
     return sum(keep_count(keep, n) for n in frame_sizes(num_rows, frames))
 
 
-def temporal_rows(embeddings: torch.Tensor, keep: float, frames: int) -> torch.Tensor:
-    """Indices ``[keep_count(keep, n)]`` (unsorted) of one video's rows ``[n, D]`` of ``frames`` equal frames with
-    the highest :func:`vtprune.methods.temporal.temporal_scores` (first frame first; ties: the earlier row)."""
+def temporal_rows(embeddings: torch.Tensor, keep: float, frames: int, evs: bool = False) -> torch.Tensor:
+    """Indices ``[keep_count(keep, n)]`` (``[evs_count(...)]`` with ``evs``; unsorted) of one video's rows
+    ``[n, D]`` of ``frames`` equal frames with the highest :func:`vtprune.methods.temporal.temporal_scores`
+    (first frame first; ties: the earlier row)."""
     from vtprune.adapters.base import VisualSegment
     from vtprune.methods.temporal import previous_positions, temporal_scores
 
@@ -51,7 +61,8 @@ def temporal_rows(embeddings: torch.Tensor, keep: float, frames: int) -> torch.T
     per = n // frames
     previous = previous_positions([VisualSegment(0, frames, per, 1, kind="video")], n)
     scores = temporal_scores(embeddings, previous)
-    return torch.sort(-scores, stable=True).indices[:keep_count(keep, n)]
+    count = evs_count(keep, n, frames) if evs else keep_count(keep, n)
+    return torch.sort(-scores, stable=True).indices[:count]
 
 
 def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int = 1, seed: int = 0
@@ -60,12 +71,13 @@ def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int 
 
     ``divprune``: each frame keeps its first ``keep_count`` greedy max-min picks (cosine distance);
     ``random``: each frame keeps its rows with the highest seeded random values (ties: the earlier row);
-    ``temporal``: :func:`temporal_rows` over the whole item.
+    ``temporal`` / ``temporal_evs``: :func:`temporal_rows` over the whole item.
     """
-    if method == "temporal":
+    if method in ITEM_BUDGET:
         if len(frame_sizes(embeddings.shape[0], frames)) == 1:  # an image: no previous frame, kept whole
             return torch.arange(embeddings.shape[0], device=embeddings.device)
-        return torch.sort(temporal_rows(embeddings, keep, frames).to(embeddings.device)).values
+        rows = temporal_rows(embeddings, keep, frames, evs=method == "temporal_evs")
+        return torch.sort(rows.to(embeddings.device)).values
     from vtprune.methods.baselines import random_values
     from vtprune.methods.divprune import cosine_distance, max_min_order
 

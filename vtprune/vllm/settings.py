@@ -112,11 +112,18 @@ def check_vllm_version(version: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class VllmPruning:
-    """The checked settings of one pruned model: ``method``, default ``keep``, ``seed`` (random)."""
+    """The checked settings of one pruned model: ``method``, default ``keep``, ``seed`` (random), ``count``
+    (temporal: ``"vtprune"``, ``keep_count(keep, n)`` over the video, or ``"evs"``, vLLM's EVS count)."""
 
     method: str
     keep: float
     seed: int = 0
+    count: str = "vtprune"
+
+    @property
+    def selection(self) -> str:
+        """The name :func:`vtprune.vllm.select.select_rows` runs: ``temporal_evs`` for temporal with EVS counting."""
+        return "temporal_evs" if self.method == "temporal" and self.count == "evs" else self.method
 
     @classmethod
     def from_config(cls, hf_config: Any) -> VllmPruning:
@@ -129,13 +136,17 @@ class VllmPruning:
 
     @classmethod
     def from_dict(cls, raw: dict) -> VllmPruning:
-        unknown = sorted(set(raw) - {"method", "keep", "seed"})
+        unknown = sorted(set(raw) - {"method", "keep", "seed", "count"})
         if unknown:
-            raise ValueError(f"vtprune: unknown setting(s) {', '.join(unknown)}; known: method, keep, seed.")
+            raise ValueError(f"vtprune: unknown setting(s) {', '.join(unknown)}; known: method, keep, seed, count.")
         seed = raw.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"vtprune: seed={seed!r} must be an integer.")
-        return cls(check_method(raw.get("method", "divprune")), check_keep(raw.get("keep", 0.25)), seed)
+        method, count = check_method(raw.get("method", "divprune")), raw.get("count", "vtprune")
+        if count not in ("vtprune", "evs") or (count == "evs" and method != "temporal"):
+            raise ValueError(f"vtprune: count={count!r} with method {method!r}: use 'vtprune', or 'evs' (vLLM's EVS "
+                             "count) with method 'temporal'.")
+        return cls(method, check_keep(raw.get("keep", 0.25)), seed, count)
 
     def request_keep(self, kwargs: dict) -> float:
         """The keep of one request: ``mm_processor_kwargs['vtprune_keep']`` if given, else the model's."""
