@@ -15,7 +15,7 @@ from vtprune.errors import UserError
 from vtprune.guards import unsupported_cache_message
 from vtprune.layout import Layout, attention_mask_for, gather_tokens, mask_style, repad_known, select_kept
 from vtprune.methods.base import Scorer, merge_step
-from vtprune.plan import Plan, Wiring
+from vtprune.plan import Plan, Wiring, group_sizes
 from vtprune.scoring import ScoreContext
 from vtprune.state import CallState, StageRecord, StageView
 
@@ -64,10 +64,14 @@ def lm_input(wiring: Wiring, call: CallState, args: tuple, kwargs: dict) -> tupl
 
 def plan_counts(plan: Plan, call: CallState, counts: list[int]) -> None:
     """The call's visual counts (host) and every stage's kept counts, on the host and on the device (computed
-    there with the same rounding, so no host-to-device copy)."""
+    there with the same rounding, so no host-to-device copy; under ``budget="per_image"`` the sum of each image's
+    and frame's count, copied there)."""
     call.visual_counts, call.stats.visual_tokens = counts, counts
-    call.planned = plan.kept_counts(counts) or [counts]
-    call.stage_counts = plan.device_kept_counts(call.num_visual)
+    groups = None
+    if plan.budget == "per_image":
+        groups = [group_sizes(call.segments[row], n) for row, n in enumerate(counts)]
+    call.planned = plan.kept_counts(counts, groups) or [counts]
+    call.stage_counts = plan.device_kept_counts(call.num_visual, call.planned)
 
 
 def _pre_llm_stage(wiring: Wiring, call: CallState, kwargs: dict, view: StageView) -> tuple[dict, StageView]:
@@ -154,7 +158,7 @@ def context(wiring: Wiring, call: CallState, view: StageView, hidden: torch.Tens
         valid=view.valid, visual=view.visual, ordinal=view.ordinal, num_visual=call.num_visual,
         segments=call.segments, adapter=wiring.adapter, inputs=call.inputs, state=call.method_state,
         visual_counts=call.visual_counts, stage=wiring.stages[stage_index], stage_index=stage_index,
-        count_rule=wiring.plan.count,
+        count_rule=wiring.plan.count, planned=call.planned[stage_index] if wiring.stages else None,
     )
 
 

@@ -41,6 +41,8 @@ class ScoreContext:
     attention_filter: applied to every :meth:`attention` result (set by ``Debiased``).
     count_rule: ``(keep, n) -> kept count``, the plan's rounding rule (:meth:`vtprune.plan.Plan.count`; set by the
         engine at every stage): :meth:`kept_count` gives a group's quota from it.
+    planned: the stage's kept count of each sample, as the plan counted it (``list[int]``; set by the engine):
+        :meth:`sample_kept_count`.
     """
 
     hidden: torch.Tensor
@@ -60,6 +62,7 @@ class ScoreContext:
     stage_index: int = 0
     attention_filter: Callable[[ScoreContext, torch.Tensor], torch.Tensor] | None = None
     count_rule: Callable[[float, int], int] | None = None
+    planned: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.visual_counts is None:
@@ -72,6 +75,13 @@ class ScoreContext:
             raise RuntimeError("this ScoreContext has no stage to count for (the engine sets the stage and the "
                                "plan's count_rule when it scores a stage).")
         return self.count_rule(self.stage.keep if keep is None else keep, n)
+
+    def sample_kept_count(self, row: int) -> int:
+        """Visual tokens sample ``row`` keeps at this stage: the plan's count (under ``budget="per_image"`` the sum
+        of its images' counts), else :meth:`kept_count` of its original visual tokens."""
+        if self.planned is not None:
+            return self.planned[row]
+        return self.kept_count(self.visual_counts[row])
 
     def last_query(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Index ``[B, 1]`` of each sample's last valid slot (its last prompt token) and an all-True mask."""

@@ -114,7 +114,7 @@ class DART(Scorer):
             alive_count = int(alive[row].sum())
             if alive_count == 0:
                 continue
-            budget = min(ctx.kept_count(ctx.visual_counts[row]), alive_count)
+            budget = min(ctx.sample_kept_count(row), alive_count)
             if self.pivot_image > ctx.visual_counts[row]:
                 pivot_note(self.pivot_image, budget, ctx.visual_counts[row])
             image_pivots = top_slots(norms[row], alive[row], min(self.pivot_image, budget))
