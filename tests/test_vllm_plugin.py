@@ -15,7 +15,7 @@ import torch
 
 from vtprune.vllm import settings
 from vtprune.vllm.positions import fill_chunk, prompt_positions
-from vtprune.vllm.select import grid_offsets, kept_count, select_rows
+from vtprune.vllm.select import grid_offsets, kept_count, select_rows, visionzip_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_layer_wise_methods_refused_in_one_line(method):
 @pytest.mark.parametrize("raw, match", [({"keep": 0}, r"outside \(0, 1\]"), ({"keep": 1.5}, r"outside \(0, 1\]"),
                                         ({"keep": "x"}, "not a number"), ({"method": "fastv+debias"}, "inside the LM|"
                                         "prunes inside"), ({"method": "divprune+debias"}, r"\+debias"),
-                                        ({"method": "visionzip"}, "not available in the vLLM plugin yet"),
+                                        ({"method": "vflowopt"}, "not available in the vLLM plugin yet"),
                                         ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting"),
                                         ({"method": "divprune", "count": "evs"}, "with method 'temporal'"),
                                         ({"method": "temporal", "count": "x"}, "count='x'")])
@@ -98,6 +98,36 @@ def test_selection_equals_transformers_path(family, method):
     want = handle.last_stats.kept_indices[-1][0]
     handle.remove()
     assert select_rows(method, embeddings, 0.25).tolist() == want
+
+
+def test_visionzip_rows_equal_transformers_path():
+    """The plugin's VisionZip on the tower maps and LLM inputs of one image keeps vtprune's rows (dominant +
+    contextual targets), and the merged contextual row is the mean of the rows merged into it."""
+    import vtprune
+    from vtprune.methods import vit
+
+    model, inputs, embeddings = lm_inputs("llava")
+    layer = vit.encoder_layers(model.model)[vit.feature_layer_index(model.model)]
+    grabbed = []
+    hook = layer.register_forward_pre_hook(lambda module, args: grabbed.append(args[0]))
+    handle = vtprune.wrap(model, "visionzip", keep=0.25, positions="compact")
+    with torch.no_grad():
+        model(**inputs)
+    want = handle.last_stats.kept_indices[-1][0]
+    handle.remove()
+    hook.remove()
+    with torch.no_grad():
+        attention = vit.vit_attention(layer, grabbed[0])[0, 0, 1:]
+        keys = layer.self_attn.k_proj(layer.layer_norm1(grabbed[0]))[0, 1:]
+    keys = keys.view(keys.shape[0], int(layer.self_attn.num_heads), -1).mean(dim=1)
+    rows, values = visionzip_rows(attention, keys, embeddings, 0.25)
+    assert rows.tolist() == want
+    assert len(rows) == kept_count(0.25, embeddings.shape[0], method="visionzip") == 4
+    dominant = torch.sort(-attention, stable=True).indices[:3]
+    target = sorted(set(rows.tolist()) - set(dominant.tolist()))[0]
+    merged = [i for i in range(embeddings.shape[0]) if i not in dominant.tolist()]
+    assert target == merged[0]
+    assert torch.allclose(values[rows.tolist().index(target)], embeddings[merged].mean(dim=0), atol=1e-5)
 
 
 def test_selection_is_a_pure_function_of_inputs_and_seed():

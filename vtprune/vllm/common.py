@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vtprune.vllm.select import ITEM_BUDGET, kept_count, select_rows
-from vtprune.vllm.settings import REQUEST_KEY, VllmPruning, check_vllm_version
+from vtprune.vllm.settings import REQUEST_KEY, TOWER_METHODS, VllmPruning, check_vllm_version
 
 PPM = 1_000_000
 
@@ -48,11 +48,16 @@ class PrunedProcessorMixin:
 
     #: modality -> the HF output field whose first dimension counts that modality's items
     item_fields: dict[str, str] = {"image": "pixel_values"}
+    #: the tower-attention methods (:data:`~vtprune.vllm.settings.TOWER_METHODS`) this family runs
+    tower_methods: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         check_vllm_version()
         method = self.vtprune_settings().method  # refuse bad settings when vLLM builds the processor (at start-up)
+        if method in TOWER_METHODS and method not in self.tower_methods:
+            raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
+                             f"recomputes inside vLLM's tower for LLaVA-1.5 only; serve 'divprune' or 'random' here.")
         if method in ITEM_BUDGET and "video" not in self.item_fields:
             raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames and this model "
                              "takes no video in vLLM; serve an image method such as 'divprune' or 'random'.")

@@ -96,6 +96,37 @@ def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int 
     return torch.sort(torch.cat(picks)).values
 
 
+def visionzip_rows(attention: torch.Tensor, keys: torch.Tensor, embeddings: torch.Tensor, keep: float,
+                   contextual: float | None = None, value: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """VisionZip on one image: sorted kept rows ``[k]`` (long) and their values ``[k, D]``, ``k = keep_count(keep, n)``.
+
+    attention: ``[n]`` the attention each token receives at the scored tower layer; keys: ``[n, d]`` that layer's
+    head-mean keys; embeddings: ``[n, D]`` the image's LLM-input rows. The ``k - c`` most attended rows stay as
+    they are (ties: the earlier row), ``c = contextual_count(k, contextual, n - k)``; the rest merge into ``c``
+    contextual rows (:func:`vtprune.methods.visionzip.contextual_merge`, written in the targets' rows), as
+    :meth:`vtprune.methods.visionzip.VisionZip.merge` does for one image.
+    """
+    from vtprune.methods.visionzip import PAPER_CONTEXTUAL, contextual_count, contextual_merge
+
+    n = embeddings.shape[0]
+    kept = keep_count(keep, n)
+    fraction = PAPER_CONTEXTUAL if contextual is None else float(contextual)
+    extra = contextual_count(kept, fraction, n - kept)
+    order = torch.sort(-attention.float(), stable=True).indices.to(embeddings.device)
+    dominant = order[:kept - extra]
+    if extra == 0:
+        rows = torch.sort(dominant).values
+        return rows, embeddings[rows]
+    rest = torch.ones(n, dtype=torch.bool, device=embeddings.device)
+    rest[dominant] = False
+    rest = rest.nonzero().flatten()
+    index, merged = contextual_merge(embeddings[rest], keys.to(embeddings.device)[rest], extra, value)
+    values = embeddings.clone()
+    values[rest[index]] = merged.to(embeddings.dtype)
+    rows = torch.sort(torch.cat([dominant, rest[index]])).values
+    return rows, values[rows]
+
+
 def grid_offsets(grid: tuple[int, int, int], t_factor: float = 1.0) -> torch.Tensor:
     """``[t*h*w, 3]`` long (t, h, w) M-RoPE offsets of every row of a merged grid, as Qwen-VL numbers them."""
     t, h, w = grid

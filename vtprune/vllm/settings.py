@@ -13,13 +13,13 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-VLLM_METHODS = ("divprune", "random", "temporal")
+VLLM_METHODS = ("divprune", "random", "temporal", "visionzip")
+#: Methods that read the vision tower's attention (recomputed inside vLLM's tower): LLaVA-1.5 only so far.
+TOWER_METHODS = ("visionzip",)
 #: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
 #: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
 NOT_YET = {
-    "visionzip": "it needs the vision tower's attention at a tower layer, recomputed inside vLLM's own tower "
-                 "modules (not wired yet), and it merges contextual tokens into new rows",
     "vflowopt": "its pre-LLM stage (tower importance map, recycling) is not wired into the plugin",
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
