@@ -57,7 +57,7 @@ class PrunedProcessorMixin:
         method = self.vtprune_settings().method  # refuse bad settings when vLLM builds the processor (at start-up)
         if method in TOWER_METHODS and method not in self.tower_methods:
             raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
-                             f"recomputes inside vLLM's tower for LLaVA-1.5 only; serve 'divprune' or 'random' here.")
+                             f"recomputes inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only; serve 'divprune' or 'random' here.")
         if method in ITEM_BUDGET and "video" not in self.item_fields:
             raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames and this model "
                              "takes no video in vLLM; serve an image method such as 'divprune' or 'random'.")

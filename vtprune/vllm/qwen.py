@@ -5,6 +5,9 @@ Workers: :meth:`embed_multimodal` returns each item's kept rows with their (t, h
 extra columns (high and low parts, exact in bf16); :meth:`get_mrope_input_positions` numbers the text as the
 unpruned prompt does; :meth:`recompute_mrope_positions` (vLLM's ``SupportsMultiModalPruning`` hook, which the
 runner calls once we switch it on) strips the columns and writes the positions of the chunk's kept rows.
+``visionzip`` (Qwen2-VL): a pre-hook on the last ViT block holds its input during the tower calls;
+:func:`qwen_block_maps` recomputes that block's attention from its fused ``qkv`` and rotary embedding, and every
+image (every temporal patch of a video) keeps :func:`vtprune.vllm.select.visionzip_rows` of its rows.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
 from vtprune.vllm.positions import fill_chunk, prompt_positions
-from vtprune.vllm.select import grid_extent, grid_offsets
+from vtprune.vllm.select import frame_sizes, grid_extent, grid_offsets, visionzip_rows
 
 SPLIT = 128  # offsets travel as (v // SPLIT, v % SPLIT): both parts are exact in bf16 below 32,768 * SPLIT
 EXTRA = 6
@@ -46,6 +49,30 @@ def decode_offsets(columns: torch.Tensor) -> torch.Tensor:
     return values[:, :3] * SPLIT + values[:, 3:]
 
 
+def qwen_block_maps(block: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention received ``[S / unit]`` (fp32; mean over heads and queries within each ``cu_seqlens`` segment, summed
+    over each merger unit) and head-mean keys ``[S / unit, d]`` (mean over the unit) of vLLM's ``Qwen2VisionBlock``
+    for its input ``x`` ``[S, 1, D]``, with vtprune's :func:`~vtprune.methods.tower.received_attention` and
+    :func:`~vtprune.methods.tower.merge_units` (this rank's heads)."""
+    from vtprune.methods.tower import merge_units, received_attention, tower_rows
+
+    attention = block.attn
+    with torch.no_grad():
+        qkv, _ = attention.qkv(block.norm1(x))
+        query, key, _ = (part.transpose(0, 1) for part in attention.split_qkv(qkv))  # [1, S, H, d]
+        query, key = (part[0] for part in torch.chunk(attention.apply_rotary_emb(torch.cat([query, key]), cos, sin),
+                                                        2))
+        scale = float(attention.hidden_size_per_attention_head) ** -0.5
+        values = torch.zeros(query.shape[0], dtype=torch.float32, device=query.device)
+        edges = [int(b) for b in bounds.tolist()]
+        for start, end in zip(edges[:-1], edges[1:], strict=True):
+            if end > start:
+                values[start:end] = received_attention(query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
+                                                       scale, rows=tower_rows("auto", end - start))
+        return merge_units(values, key.float().mean(dim=1), unit, None)
+
+
 class QwenProcessorMixin(PrunedProcessorMixin):
     item_fields = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
@@ -55,6 +82,8 @@ class QwenProcessorMixin(PrunedProcessorMixin):
 
 class VtpruneQwen2VLProcessor(QwenProcessorMixin, Qwen2VLMultiModalProcessor):
     """Qwen2-VL's processor with ``kept_count`` placeholders per item."""
+
+    tower_methods = ("visionzip",)
 
 
 class VtpruneQwen2_5_VLProcessor(QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor):
@@ -78,7 +107,11 @@ class QwenPruningMixin(PrunedModelMixin):
         order = self._item_order(kwargs)
         grids = {m: kwargs.get(f"{m}_grid_thw") for m in order}
         seconds = kwargs.get("second_per_grid_ts")
-        embeddings = super().embed_multimodal(**kwargs)
+        maps = None  # visionzip: [attention, keys, rows consumed so far] over the call's items
+        if self.vtprune.method == "visionzip":
+            embeddings, maps = self._tower_maps(kwargs)
+        else:
+            embeddings = super().embed_multimodal(**kwargs)
         if len(embeddings) == 0:
             return embeddings
         self.enable_position_updates()
@@ -94,10 +127,54 @@ class QwenPruningMixin(PrunedModelMixin):
                 factor = 1.0
                 if modality == "video" and seconds is not None:
                     factor = float(torch.as_tensor(seconds).reshape(-1)[number]) * per_second
-                kept = self.vtprune_rows(rows, keep, frames=t)
+                if maps is None:
+                    kept = self.vtprune_rows(rows, keep, frames=t)
+                    values = rows[kept]
+                else:
+                    kept, values = self._visionzip_item(rows, maps, keep, t)
                 offsets = grid_offsets((t, h // merge, w // merge), factor)[kept.cpu()]
-                out.append(torch.cat([rows[kept], encode_offsets(offsets, rows.dtype).to(rows.device)], dim=1))
+                out.append(torch.cat([values, encode_offsets(offsets, rows.dtype).to(rows.device)], dim=1))
         return out
+
+    def _tower_maps(self, kwargs: dict) -> tuple[Any, list]:
+        """The stock embeddings, run with a pre-hook on the last ViT block, and ``[attention [S'], keys [S', d], 0]``
+        over all items of the call (in the order the tower runs them, as the embeddings are)."""
+        block = self.visual.blocks[len(self.visual.blocks) - 1]
+        unit = self.config.vision_config.spatial_merge_size ** 2
+        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def grab(module: Any, args: tuple, hook_kwargs: dict) -> None:
+            named = dict(zip(("x", "cu_seqlens", "rotary_pos_emb_cos", "rotary_pos_emb_sin"), args)) | hook_kwargs
+            parts.append(qwen_block_maps(module, named["x"], named["cu_seqlens"], named["rotary_pos_emb_cos"],
+                                         named["rotary_pos_emb_sin"], unit))
+
+        handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            embeddings = super().embed_multimodal(**kwargs)
+        finally:
+            handle.remove()
+        if len(embeddings) and not parts:
+            raise ValueError("vtprune: visionzip reads the vision tower's attention; this request passed image or "
+                             "video embeddings (no tower call). Pass pixels, or serve 'divprune'.")
+        values = torch.cat([v for v, _ in parts]) if parts else torch.zeros(0)
+        keys = torch.cat([k for _, k in parts]) if parts else torch.zeros(0, 1)
+        return embeddings, [values, keys, 0]
+
+    def _visionzip_item(self, rows: torch.Tensor, maps: list, keep: float, frames: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """VisionZip on one item's rows ``[n, D]``, each temporal patch on its own: kept rows ``[k]``, values ``[k, D]``."""
+        values, keys, start = maps[0], maps[1], maps[2]
+        maps[2] = start + rows.shape[0]
+        picks, kept_values, offset = [], [], 0
+        for size in frame_sizes(rows.shape[0], frames):
+            part = slice(start + offset, start + offset + size)
+            kept, chosen = visionzip_rows(values[part], keys[part], rows[offset:offset + size], keep)
+            picks.append(kept + offset)
+            kept_values.append(chosen)
+            offset += size
+        kept = torch.cat(picks)
+        self.vtprune_selections.append(kept.tolist())
+        return kept, torch.cat(kept_values)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         features = sorted(mm_features, key=lambda f: f.mm_position.offset)
@@ -126,6 +203,9 @@ class VtpruneQwen2VLForConditionalGeneration(QwenPruningMixin, Qwen2VLForConditi
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vtprune_init(vllm_config, needs_runner=True)
+        if self.vtprune.method == "visionzip" and vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError("vtprune: visionzip in vLLM reads the tower's attention from one rank's heads; serve it "
+                             "with tensor_parallel_size=1 (or serve 'divprune' with tensor parallelism).")
 
 
 @MULTIMODAL_REGISTRY.register_processor(VtpruneQwen2_5_VLProcessor, info=Qwen2_5_VLProcessingInfo,

@@ -14,7 +14,7 @@ from typing import Any
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
 VLLM_METHODS = ("divprune", "random", "temporal", "visionzip")
-#: Methods that read the vision tower's attention (recomputed inside vLLM's tower): LLaVA-1.5 only so far.
+#: Methods that read the vision tower's attention (recomputed inside vLLM's tower): LLaVA-1.5, Qwen2-VL.
 TOWER_METHODS = ("visionzip",)
 #: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")

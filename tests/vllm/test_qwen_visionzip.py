@@ -1,0 +1,43 @@
+"""VisionZip in vLLM on the embedded Qwen2-VL: the last ViT block's attention recomputed inside vLLM's tower, dominant +
+contextual rows at their original M-RoPE positions; equal to vtprune's transformers path (one engine)."""
+
+from __future__ import annotations
+
+import pytest
+import reference
+from conftest import generate, generate_video, make_llm, selections, shutdown
+
+TOLERANCE = 1e-3  # float32 log-probabilities, vLLM's CPU kernels against transformers' SDPA
+
+
+@pytest.fixture(scope="module")
+def expected(items):
+    """vtprune's transformers path: visionzip at 0.25 (token ids, kept indices, first-step log-probabilities)."""
+    model, processor = reference.load("qwen2_vl")
+    return reference.answers(model, processor, items, "visionzip", 0.25, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def engine(expected):
+    llm = make_llm("qwen2_vl", method="visionzip")
+    yield llm
+    shutdown(llm)
+
+
+def test_visionzip_equals_transformers_path(engine, items, expected):
+    selections(engine, clear=True)
+    got = generate(engine, items, logprobs=5)
+    assert selections(engine) == [row[1] for row in expected]
+    assert [row[0] for row in got] == [row[0] for row in expected]
+    for (_, _, _, top), (_, _, reference_logprobs) in zip(got, expected):
+        assert max(abs(value - reference_logprobs[token]) for token, value in top.items()) < TOLERANCE
+
+
+def test_visionzip_video_equals_transformers_path(engine, clip):
+    """A video: every temporal patch keeps its own share, dominant + contextual, as vtprune's per-frame groups."""
+    frames, question = clip
+    model, processor = reference.load("qwen2_vl")
+    want_ids, want_kept = reference.video_answers(model, processor, frames, question, "visionzip", 0.25)
+    selections(engine, clear=True)
+    assert generate_video(engine, frames, question) == want_ids
+    assert selections(engine) == [want_kept]
