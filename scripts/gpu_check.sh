@@ -182,7 +182,7 @@ if [ "$RUN" = 1 ]; then
     skip contract quick
   fi
   # Serving through vLLM with vtprune's plugin at LLaVA-1.5-7B geometry (random weights, divprune keep 0.25 vs
-  # unpruned, concurrency 1-64; eval/speed/serving.py), only where vLLM imports (in the clone: pip install -c constraints.txt -e ".[vllm]").
+  # unpruned, concurrency 1-64; eval/speed/serving.py), only where vLLM imports (in the clone: pip install -e ".[vllm]").
   if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
     step serving-vllm7b 150 "$PY" -m vtprune.eval.speed.serving --models proxy7b --dtype bfloat16 --requests 64 \
       --transformers-requests 0 --max-model-len 2048 --out "$OUT/serving"

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Create .venv-min: the lowest transformers that pyproject.toml allows (5.20.0), for the core contract tests.
+# Create .venv-min: the lowest transformers that pyproject.toml allows (5.19.0, what vLLM 0.32 pins), for the core contract tests.
 # Idempotent (a stamp skips the install when nothing changed); about 90 s the first time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-MIN_TRANSFORMERS=5.20.0
+MIN_TRANSFORMERS=5.19.0
 if [ ! -x .venv-min/bin/python ]; then
   echo "[setup-min] creating .venv-min (transformers $MIN_TRANSFORMERS)"
   "$PYTHON" -m venv .venv-min

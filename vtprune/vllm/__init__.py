@@ -1,4 +1,4 @@
-"""vtprune inside vLLM: pre-LLM visual-token pruning as a vLLM plugin (``pip install -c constraints.txt -e ".[vllm]"`` in the clone).
+"""vtprune inside vLLM: pre-LLM visual-token pruning as a vLLM plugin (``pip install -e ".[vllm]"`` in the clone).
 
 vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in each of its processes; it only
 registers architecture names (``VtpruneLlavaForConditionalGeneration``, ...). A model opts in with

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vtprune.errors import UserError, install_extra
+from vtprune.errors import UserError
 from vtprune.vllm.settings import VllmPruning, check_architecture
 
 DEFAULT_MODEL = "embedded:llava"
@@ -25,7 +25,7 @@ examples:
   vtprune serve                                          the embedded LLaVA, divprune keep 0.25, port 8000
   vtprune serve embedded:qwen2_vl --keep 0.5 --trust-request-mm-kwargs    clients may send vtprune_keep
   vtprune serve llava-hf/llava-1.5-7b-hf --dtype float16 --tensor-parallel-size 8     vLLM options pass through
-needs vLLM: pip install -c constraints.txt -e ".[vllm]" (GPU, in the clone) or bash scripts/setup_vllm.sh (CPU); see
+needs vLLM: pip install -e ".[vllm]" (GPU, in the clone) or bash scripts/setup_vllm.sh (CPU); see
 docs/serving.md."""
 VENV_PYTHON = Path.home() / ".cache" / "vtprune" / "venv-vllm-0.32.0" / "bin" / "python"
 
@@ -61,7 +61,8 @@ def vllm_python() -> str:
     if VENV_PYTHON.exists():
         return str(VENV_PYTHON)
     raise UserError("vLLM is not installed: run `bash scripts/setup_vllm.sh` (CPU, its own venv) or "
-                    f"`{install_extra('vllm')}` (GPU), then `vtprune serve` again.")
+                    "`pip install -e \".[vllm]\"` in the vtprune clone (GPU; no constraints file: vLLM pins transformers 5.19), "
+                    "then `vtprune serve` again.")
 
 
 def architecture_of(folder: str) -> str | None:
