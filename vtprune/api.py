@@ -29,7 +29,7 @@ def wrap(model: nn.Module, method: str | Scorer | PruneConfig = "fastv", keep: f
         (:class:`vtprune.Scorer`, e.g. your own) or a :class:`PruneConfig`.
     keep: final fraction of visual tokens kept, in ``(0, 1]``.
     options: :class:`PruneConfig` fields (``schedule="2:0.5,8:0.25"``, ``layer=2``, ``positions``,
-        ``debias``, ``seed``, ``parity="release"``, ``logits="pruned"``, ``budget="per_image"``) and method
+        ``debias``, ``seed``, ``parity="release"``, ``logits="pruned"``, ``rounding="per_image"``) and method
         options (e.g. ``alpha=0.5``).
         Logits come back in the input layout (one row per input token, pruned visual positions NaN) unless
         ``logits="pruned"``; see :mod:`vtprune.outputs`.
@@ -79,7 +79,7 @@ def apply(model: nn.Module, method: str | PruneConfig = "fastv", keep: float = 0
         handle.remove()
 
 
-_CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed", "parity", "logits", "budget")
+_CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed", "parity", "logits", "rounding")
 
 
 def _config_from(method: str, keep: float, options: dict[str, Any]) -> PruneConfig:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOGITS_LAYOUTS = ("input", "pruned")
-BUDGETS = ("sample", "per_image")
+ROUNDINGS = ("sample", "per_image")
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class PruneConfig:
         unwrapped model (text positions exact, pruned visual positions NaN, padding 0); ``"pruned"``: one row
         per kept token, ``output.kept_positions`` ``[B, L_kept]`` gives each row's input position
         (:mod:`vtprune.outputs`).
-    budget: ``"sample"`` (default): a stage keeps ``keep_count(keep, N0)`` of a sample's ``N0`` visual tokens;
+    rounding: ``"sample"`` (default): a stage keeps ``keep_count(keep, N0)`` of a sample's ``N0`` visual tokens;
         ``"per_image"``: it keeps ``sum_g keep_count(keep, n_g)`` over the sample's images and video frames
         (temporal patches) ``g``, the count the vLLM plugin fixes per item before the tower
         (:meth:`vtprune.plan.Plan.kept_counts`).
@@ -174,7 +174,7 @@ class PruneConfig:
     options: dict[str, Any] = field(default_factory=dict)
     parity: str = "default"
     logits: str = "input"
-    budget: str = "sample"
+    rounding: str = "sample"
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or not self.method:
@@ -189,10 +189,10 @@ class PruneConfig:
         if self.parity not in ("default", "release"):
             raise ValueError(f"parity must be 'default' (vtprune's rules) or 'release' (the method's released code), "
                              f"got {self.parity!r}.")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget must be 'sample' (keep_count over a sample's visual tokens, the default) or "
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be 'sample' (keep_count over a sample's visual tokens, the default) or "
                              f"'per_image' (keep_count per image / video frame, summed; the vLLM plugin's count), "
-                             f"got {self.budget!r}.")
+                             f"got {self.rounding!r}.")
         if self.layer is not None and self.schedule is not None:
             raise ValueError("give either layer=K or schedule='K:KEEP,...', not both.")
         stages = parse_schedule(self.schedule)

@@ -4,7 +4,7 @@
 ``keep`` flows one way: :class:`~vtprune.config.PruneConfig` -> :func:`make_plan` (the stages, or a KV
 retention's budget) -> :meth:`Plan.count` (per stage and sample, the one rounding rule
 :func:`~vtprune.config.keep_count`, or under ``parity="release"`` the method's released rule; a group's quota
-comes from it through ``ScoreContext.kept_count``; under ``budget="per_image"`` a sample's count is the sum of its
+comes from it through ``ScoreContext.kept_count``; under ``rounding="per_image"`` a sample's count is the sum of its
 images' and frames' counts, :meth:`Plan.kept_counts`) -> the engine (counts computed on the device, no copy) ->
 ``segmented_topk`` -> the layout. Nothing after the plan reads ``PruneConfig.keep``.
 """
@@ -26,7 +26,7 @@ from vtprune.methods.per_frame import frame_ids
 from vtprune.methods.prefixkv import profile_ratios, read_profile
 
 PRE_LLM_BLOCKERS = frozenset({"attention", "llm_layers"})
-#: Methods that spend one budget over a whole video (refused with ``budget="per_image"``).
+#: Methods that spend one budget over a whole video (refused with ``rounding="per_image"``).
 PER_ITEM_METHODS = frozenset({"temporal"})
 
 
@@ -51,7 +51,7 @@ class Plan:
     positions: str = "original"
     counting: str = "round"
     kv: KVPlan | None = None
-    budget: str = "sample"
+    rounding: str = "sample"
 
     def count(self, keep: float, n: int) -> int:
         """Visual tokens kept of ``n`` at fraction ``keep``: ``keep_count`` (``counting="round"``) or
@@ -61,20 +61,20 @@ class Plan:
     def kept_counts(self, visual_counts: list[int], groups: list[list[int]] | None = None) -> list[list[int]]:
         """``[stage][sample]`` visual tokens kept of each sample's ``n`` (:meth:`count`).
 
-        Under ``budget="per_image"`` a sample keeps ``sum_g count(keep, n_g)`` over ``groups[sample]``, the sizes
+        Under ``rounding="per_image"`` a sample keeps ``sum_g count(keep, n_g)`` over ``groups[sample]``, the sizes
         of its images and video frames (:func:`group_sizes`), as the vLLM plugin counts each item before the tower.
         """
-        if self.budget == "sample":
+        if self.rounding == "sample":
             return [[self.count(stage.keep, n) for n in visual_counts] for stage in self.stages]
         if groups is None or len(groups) != len(visual_counts):
-            raise RuntimeError("budget='per_image' needs the image / frame sizes of every sample (group_sizes).")
+            raise RuntimeError("rounding='per_image' needs the image / frame sizes of every sample (group_sizes).")
         return [[sum(self.count(stage.keep, g) for g in sizes) for sizes in groups] for stage in self.stages]
 
     def device_kept_counts(self, num_visual: torch.Tensor, planned: list[list[int]] | None = None) -> torch.Tensor:
         """``[stages, B]``: :meth:`kept_counts` computed on the device of ``num_visual`` ``[B]`` (no copy from the
-        host); ``num_visual[None]`` for a plan without stages. Under ``budget="per_image"`` the host counts
+        host); ``num_visual[None]`` for a plan without stages. Under ``rounding="per_image"`` the host counts
         ``planned`` (``[stages][B]``, from :meth:`kept_counts`) are copied there (one small copy per call)."""
-        if self.budget == "per_image" and self.stages:
+        if self.rounding == "per_image" and self.stages:
             return torch.tensor(planned, dtype=torch.long).to(num_visual.device, non_blocking=True)
         return device_kept_counts(num_visual, [s.keep for s in self.stages], self.counting)
 
@@ -146,16 +146,16 @@ def group_sizes(segments: list[VisualSegment], total: int) -> list[int]:
     return [int(n) for n in torch.bincount(frame_ids(segments, total)).tolist() if n > 0]
 
 
-def check_budget(config: PruneConfig, scorer: Scorer) -> str:
-    """``config.budget``, refused where a per-image count has no meaning for the method (one line)."""
-    budget = getattr(config, "budget", "sample")
-    if budget == "per_image" and scorer.kv_retention() is not None:
-        raise ValueError(f"budget='per_image' counts kept visual tokens per image; method {scorer.name!r} evicts "
-                         "cache entries instead (keep= is its average cache budget); drop budget=.")
-    if budget == "per_image" and scorer.name in PER_ITEM_METHODS:
-        raise ValueError(f"budget='per_image' counts each frame's tokens, but method {scorer.name!r} spends one "
-                         "budget over a whole video (as the vLLM plugin does); drop budget= for it.")
-    return budget
+def check_rounding(config: PruneConfig, scorer: Scorer) -> str:
+    """``config.rounding``, refused where a per-image count has no meaning for the method (one line)."""
+    rounding = getattr(config, "rounding", "sample")
+    if rounding == "per_image" and scorer.kv_retention() is not None:
+        raise ValueError(f"rounding='per_image' counts kept visual tokens per image; method {scorer.name!r} evicts "
+                         "cache entries instead (keep= is its average cache budget); drop rounding=.")
+    if rounding == "per_image" and scorer.name in PER_ITEM_METHODS:
+        raise ValueError(f"rounding='per_image' counts each frame's tokens, but method {scorer.name!r} spends one "
+                         "budget over a whole video (as the vLLM plugin does); drop rounding= for it.")
+    return rounding
 
 
 def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
@@ -167,7 +167,7 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             f"(it offers {', '.join(sorted(adapter.capabilities))}); use a method such as 'fastv' or 'transprune'."
         )
     check_kernel_environment(_device(adapter))
-    budget = check_budget(config, scorer)
+    rounding = check_rounding(config, scorer)
     positions, counting = config.positions, "round"
     if getattr(config, "parity", "default") == "release":  # the method's released count, positions, debias
         scorer, rule = release.for_release(scorer, adapter, config.positions)
@@ -186,7 +186,7 @@ def make_plan(config: PruneConfig, scorer: Scorer, adapter: Adapter) -> Plan:
             f"method {scorer.name!r} keeps every token and evicts cache entries at every layer: it takes no "
             f"schedule (got {config.stages!r}); drop schedule= and set keep= (the average share of visual keys kept).")
     kv = None if retention is None else kv_plan(retention, adapter, config.keep)
-    return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting, kv=kv, budget=budget)
+    return Plan(scorer=scorer, stages=tuple(stages), positions=positions, counting=counting, kv=kv, rounding=rounding)
 
 
 def kv_plan(retention: KVRetention, adapter: Adapter, keep: float) -> KVPlan:

@@ -64,11 +64,11 @@ def lm_input(wiring: Wiring, call: CallState, args: tuple, kwargs: dict) -> tupl
 
 def plan_counts(plan: Plan, call: CallState, counts: list[int]) -> None:
     """The call's visual counts (host) and every stage's kept counts, on the host and on the device (computed
-    there with the same rounding, so no host-to-device copy; under ``budget="per_image"`` the sum of each image's
+    there with the same rounding, so no host-to-device copy; under ``rounding="per_image"`` the sum of each image's
     and frame's count, copied there)."""
     call.visual_counts, call.stats.visual_tokens = counts, counts
     groups = None
-    if plan.budget == "per_image":
+    if plan.rounding == "per_image":
         groups = [group_sizes(call.segments[row], n) for row, n in enumerate(counts)]
     call.planned = plan.kept_counts(counts, groups) or [counts]
     call.stage_counts = plan.device_kept_counts(call.num_visual, call.planned)

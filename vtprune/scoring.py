@@ -77,7 +77,7 @@ class ScoreContext:
         return self.count_rule(self.stage.keep if keep is None else keep, n)
 
     def sample_kept_count(self, row: int) -> int:
-        """Visual tokens sample ``row`` keeps at this stage: the plan's count (under ``budget="per_image"`` the sum
+        """Visual tokens sample ``row`` keeps at this stage: the plan's count (under ``rounding="per_image"`` the sum
         of its images' counts), else :meth:`kept_count` of its original visual tokens."""
         if self.planned is not None:
             return self.planned[row]

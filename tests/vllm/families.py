@@ -93,11 +93,11 @@ class FamilyChecks:
         assert len(first) == len(second) == 4
         # where the two roundings differ (0.28: 4 + 4 per image, keep_count(0.28, 32) = 9 per prompt) the
         # transformers path gives one image a fifth pick; the plugin keeps each image's first four (a subset),
-        # exactly the transformers path's rows under budget="per_image" (the plugin's count), answers too
+        # exactly the transformers path's rows under rounding="per_image" (the plugin's count), answers too
         (_, sample_kept), = reference.answers(model, processor, [item], "divprune", 0.28, max_new_tokens=1,
                                               **self.options)
         (want_ids, want_kept), = reference.answers(model, processor, [item], "divprune", 0.28, max_new_tokens=1,
-                                                   budget="per_image", **self.options)
+                                                   rounding="per_image", **self.options)
         (ids, _, _), = generate(engine, [item], keeps=[0.28], max_tokens=1)
         first, second = selections(engine)[-2:]
         assert len(sample_kept) == 9 and len(first) == len(second) == 4

@@ -45,7 +45,7 @@ def add_pruning_arguments(parser: argparse.ArgumentParser) -> None:
                         help="'release': the method's released code's rules (count truncation, position "
                              "compaction, debias defaults) to reproduce a paper's table token for token; "
                              "see docs/methods.md (default: vtprune's rules)")
-    parser.add_argument("--budget", default=None, choices=("sample", "per_image"),
+    parser.add_argument("--rounding", default=None, choices=("sample", "per_image"),
                         help="'per_image': each image (and video temporal patch) keeps keep_count(keep, n_i), "
                              "summed per prompt, as the vLLM plugin counts; see docs/serving.md (default: "
                              "'sample', keep_count over the prompt's visual tokens)")
@@ -70,7 +70,7 @@ class Pruning:
 def pruning_choice(args: argparse.Namespace) -> Pruning:
     """Resolve ``--method/--keep/--layer/--schedule/--debias/--config``; :class:`UserError` on conflicts."""
     given = {"layer": args.layer, "schedule": args.schedule or None, "parity": getattr(args, "parity", None),
-             "budget": getattr(args, "budget", None)}
+             "rounding": getattr(args, "rounding", None)}
     if getattr(args, "debias", None) is not None:
         given["debias"] = debias_option(args.debias)
     given = {k: v for k, v in given.items() if v is not None}
@@ -87,9 +87,9 @@ def check_pruning(choice: Pruning) -> None:
     """Method name, its options and the schedule syntax, checked without a model (depth is checked at wrap)."""
     from vtprune.config import PruneConfig, validate_stages
     from vtprune.methods import resolve
-    from vtprune.plan import check_budget
+    from vtprune.plan import check_rounding
 
-    config_keys = ("schedule", "layer", "positions", "debias", "seed", "parity", "budget")
+    config_keys = ("schedule", "layer", "positions", "debias", "seed", "parity", "rounding")
     fields = {k: v for k, v in choice.options.items() if k in config_keys}
     method_options = {k: v for k, v in choice.options.items() if k not in config_keys}
     try:
@@ -97,7 +97,7 @@ def check_pruning(choice: Pruning) -> None:
         if config.stages:
             validate_stages(config.stages, 1 << 20)  # order and keep fractions now; the depth at wrap time
         scorer = resolve(config.method, method_options, debias=config.debias)
-        check_budget(config, scorer)
+        check_rounding(config, scorer)
         if config.parity == "release":
             from vtprune.methods.release import methods_with_rules, release_rule, with_release_options
 

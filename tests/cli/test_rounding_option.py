@@ -1,4 +1,4 @@
-"""``--budget``: the command line's ``budget=`` (docs/serving.md), refused before any model loads where it has no
+"""``--rounding``: the command line's ``rounding=`` (docs/serving.md), refused before any model loads where it has no
 meaning."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import pytest
 
 @pytest.mark.parametrize(("method", "match"), [("temporal", "spends one budget over a whole video"),
                                                ("prefixkv", "evicts cache entries")])
-def test_per_image_budget_refused_before_loading(cli, no_model, method, match):
-    code, _, err = cli("run", "--method", method, "--budget", "per_image")
+def test_per_image_rounding_refused_before_loading(cli, no_model, method, match):
+    code, _, err = cli("run", "--method", method, "--rounding", "per_image")
     assert code == 2 and match in err and len(err.strip().splitlines()) == 1
 
 
-def test_budget_reaches_the_wrap_options():
+def test_rounding_reaches_the_wrap_options():
     import argparse
 
     from vtprune.cli.options import add_pruning_arguments, pruning_choice
 
     parser = argparse.ArgumentParser()
     add_pruning_arguments(parser)
-    choice = pruning_choice(parser.parse_args(["--method", "divprune", "--budget", "per_image"]))
-    assert choice.options == {"budget": "per_image"}
+    choice = pruning_choice(parser.parse_args(["--method", "divprune", "--rounding", "per_image"]))
+    assert choice.options == {"rounding": "per_image"}

@@ -1,4 +1,4 @@
-"""``budget="per_image"``: a sample keeps the sum of its images' (and video frames') own counts, the count the vLLM
+"""``rounding="per_image"``: a sample keeps the sum of its images' (and video frames') own counts, the count the vLLM
 plugin fixes per item before the tower, so several-image prompts keep exactly the plugin's rows."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_per_image_count_is_the_sum_of_each_images_count():
     """Hand-computed: keep 0.28 of two 16-token images is 4 + 4 = 8 per image (4.48 each) but 9 per sample (8.96);
     at 0.25 both give 8. A video's frames (temporal patches) count one by one, as the plugin counts them."""
     stages = (Stage(0, 0.28), Stage(2, 0.25))
-    sample, per_image = Plan(FastV(), stages), Plan(FastV(), stages, budget="per_image")
+    sample, per_image = Plan(FastV(), stages), Plan(FastV(), stages, rounding="per_image")
     images = [VisualSegment(0, 1, 4, 4), VisualSegment(16, 1, 4, 4)]
     groups = [group_sizes(images, 32), group_sizes([VisualSegment(0, 1, 4, 4)], 16), []]
     assert groups == [[16, 16], [16], []]
@@ -60,14 +60,14 @@ def kept(model, inputs, method: str, keep: float, **options) -> list[int]:
 
 @pytest.mark.parametrize("keep", [0.28, 0.25])
 def test_two_images_keep_the_plugins_rows(keep):
-    """divprune with ``budget="per_image"`` keeps exactly the rows of :func:`vtprune.vllm.select.select_rows` run
+    """divprune with ``rounding="per_image"`` keeps exactly the rows of :func:`vtprune.vllm.select.select_rows` run
     on each image's own LM-input embeddings; at 0.28 the default budget keeps one row more (9 vs 8 of 2 x 16)."""
     model, inputs, images = llava_inputs(2)
     want, start = [], 0
     for embeddings in images:
         want += (select_rows("divprune", embeddings, keep) + start).tolist()
         start += embeddings.shape[0]
-    assert kept(model, inputs, "divprune", keep, budget="per_image") == want
+    assert kept(model, inputs, "divprune", keep, rounding="per_image") == want
     default = kept(model, inputs, "divprune", keep)
     assert len(default) - len(want) == (1 if keep == 0.28 else 0)
 
@@ -75,16 +75,26 @@ def test_two_images_keep_the_plugins_rows(keep):
 @pytest.mark.parametrize("method", ["divprune", "fastv", "visionzip"])
 def test_one_image_per_image_budget_equals_the_default(method):
     model, inputs, _ = llava_inputs(1)
-    assert kept(model, inputs, method, 0.28, budget="per_image") == kept(model, inputs, method, 0.28)
+    assert kept(model, inputs, method, 0.28, rounding="per_image") == kept(model, inputs, method, 0.28)
 
 
 @pytest.mark.parametrize(("options", "match"), [
-    ({"budget": "image"}, r"budget must be 'sample'.*got 'image'"),
-    ({"method": "temporal", "budget": "per_image"}, r"spends one budget over a whole video"),
-    ({"method": "prefixkv", "budget": "per_image"}, r"evicts cache entries"),
+    ({"rounding": "image"}, r"rounding must be 'sample'.*got 'image'"),
+    ({"method": "temporal", "rounding": "per_image"}, r"spends one budget over a whole video"),
+    ({"method": "prefixkv", "rounding": "per_image"}, r"evicts cache entries"),
 ])
 def test_bad_budget_refused_at_wrap_time(options, match):
     model = tiny_model("llava")[0]
     options = {"method": "divprune", **options}
     with pytest.raises(ValueError, match=match):
         vtprune.wrap(model, options.pop("method"), keep=0.25, **options)
+
+
+def test_rounding_does_not_shadow_a_method_option_named_budget():
+    """VFlowOpt's own ``budget=`` (its average retention) still reaches the method through ``wrap``."""
+    model, _ = tiny_model("llava")
+    handle = vtprune.wrap(model, "vflowopt", keep=0.25, budget=0.5)
+    try:
+        assert handle.plan.scorer.budget == 0.5 and handle.plan.rounding == "sample"
+    finally:
+        handle.remove()
