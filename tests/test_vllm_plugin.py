@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cases import lm_input_embeds
 
 from vtprune.vllm import settings
 from vtprune.vllm.positions import fill_chunk, prompt_positions
@@ -71,18 +72,10 @@ def lm_inputs(family: str):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What color is it?"}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = processor(images=sample.image, text=text, return_tensors="pt")
-    grabbed = {}
-
-    def grab(module, args, kwargs):
-        grabbed["embeds"] = kwargs["inputs_embeds"]
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    with torch.no_grad():
-        model(**inputs)
-    hook.remove()
+    embeds = lm_input_embeds(model, inputs)
     token = model.config.image_token_id if hasattr(model.config, "image_token_id") else model.config.image_token_index
     visual = inputs["input_ids"][0] == token
-    return model, inputs, grabbed["embeds"][0, visual]
+    return model, inputs, embeds[0, visual]
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import lm_input_embeds
 from vtprune.adapters.base import VisualSegment
 
 import vtprune
@@ -39,17 +40,9 @@ def llava_inputs(images: int):
     model, processor = tiny_model("llava")
     pictures = [random_image(96, 80, 1), random_image(64, 90, 2)][:images]
     inputs = tiny_inputs(processor, "llava", [("which one is larger?", pictures)])
-    grabbed = {}
-
-    def grab(module, args, kwargs):
-        grabbed["embeds"] = kwargs["inputs_embeds"]
-
-    hook = model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
-    with torch.no_grad():
-        model(**inputs)
-    hook.remove()
+    embeds = lm_input_embeds(model, inputs)
     visual = inputs["input_ids"][0] == model.config.image_token_id
-    return model, inputs, grabbed["embeds"][0, visual].chunk(images)
+    return model, inputs, embeds[0, visual].chunk(images)
 
 
 def kept(model, inputs, method: str, keep: float, **options) -> list[int]:

@@ -9,20 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from PIL import Image
+from vtprune.eval.lmms_plugin.documents import doc_to_text, doc_to_visual  # noqa: F401 (the YAML's)
 from vtprune.eval.lmms_plugin.scoring import exact_match_metrics
-
-
-def doc_to_visual(doc: dict) -> list[Image.Image]:
-    """The document's image, as a one-element list."""
-    with Image.open(doc["image"]) as image:
-        return [image.convert("RGB")]
-
-
-def doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    """``pre_prompt + question + post_prompt`` (both empty by default: the embedded models' format)."""
-    kwargs = lmms_eval_specific_kwargs or {}
-    return f"{kwargs.get('pre_prompt', '')}{doc['question']}{kwargs.get('post_prompt', '')}"
 
 
 def process_results(doc: dict, results: list[Any]) -> dict[str, float]:

@@ -8,24 +8,11 @@ argmin of the returned values (``acc``), so it exercises the plugin's loglikelih
 
 from __future__ import annotations
 
-from PIL import Image
-
+from vtprune.eval.lmms_plugin.documents import doc_to_text, doc_to_visual  # noqa: F401 (the YAML's)
 from vtprune.shapes.task import COLORS, COUNT_ANSWERS, QUADRANTS, SHAPES, YES_NO
 
 CHOICES: dict[str, tuple[str, ...]] = {"color": COLORS, "shape": SHAPES, "count": COUNT_ANSWERS, "exists": YES_NO,
                                        "where": QUADRANTS}
-
-
-def doc_to_visual(doc: dict) -> list[Image.Image]:
-    """The document's image, as a one-element list."""
-    with Image.open(doc["image"]) as image:
-        return [image.convert("RGB")]
-
-
-def doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
-    """``pre_prompt + question + post_prompt`` (both empty by default: the embedded models' format)."""
-    kwargs = lmms_eval_specific_kwargs or {}
-    return f"{kwargs.get('pre_prompt', '')}{doc['question']}{kwargs.get('post_prompt', '')}"
 
 
 def doc_to_choice(doc: dict) -> list[str]:
