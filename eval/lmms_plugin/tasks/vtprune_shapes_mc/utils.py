@@ -9,6 +9,7 @@ argmin of the returned values (``acc``), so it exercises the plugin's loglikelih
 from __future__ import annotations
 
 from vtprune.eval.lmms_plugin.documents import doc_to_text, doc_to_visual  # noqa: F401 (the YAML's)
+
 from vtprune.shapes.task import COLORS, COUNT_ANSWERS, QUADRANTS, SHAPES, YES_NO
 
 CHOICES: dict[str, tuple[str, ...]] = {"color": COLORS, "shape": SHAPES, "count": COUNT_ANSWERS, "exists": YES_NO,
