@@ -110,8 +110,17 @@ class Adapter:
         return None
 
     def min_prune_layer(self) -> int:
-        """The first decoder layer allowed to see a pruned sequence (0 = the pre-LLM stage)."""
+        """The first decoder layer after the pre-LLM stage allowed to see a pruned sequence (0: any layer)."""
         return 0
+
+    def prune_lm_inputs(self, kwargs: dict, index: torch.Tensor, valid: torch.Tensor) -> dict:
+        """The language model's model-specific keyword inputs for the pre-LLM stage's kept slots.
+
+        kwargs: the language model's keyword arguments; index: ``[B, L']`` each kept slot's position in the
+        unpruned sequence; valid: ``[B, L']`` bool, real (not padding) slots. The engine itself gathers
+        ``inputs_embeds``, the mask and the positions; the default has nothing else to slice.
+        """
+        return kwargs
 
     # -- attention recomputation -------------------------------------------------------------------
     def rotary(self, attention: nn.Module):

@@ -62,15 +62,22 @@ def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], ke
     def grab(module, args, kwargs):  # the input of the first stage layer (Qwen3-VL DeepStack included)
         captured["hidden"] = args[0] if args else kwargs["hidden_states"]
 
-    hook = lm.layers[stages[0]].register_forward_pre_hook(grab, with_kwargs=True)
+    def grab_deepstack(module, args, kwargs):  # Qwen3-VL: rows added after layers 0..n-1, one per visual token
+        captured["deepstack"] = kwargs.get("deepstack_visual_embeds") or []
+
+    hooks = [lm.layers[stages[0]].register_forward_pre_hook(grab, with_kwargs=True),
+             lm.register_forward_pre_hook(grab_deepstack, with_kwargs=True)]
     try:
         model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **full)
     finally:
-        hook.remove()
-    hidden = captured["hidden"]
+        for hook in hooks:
+            hook.remove()
+    hidden, deepstack = captured["hidden"], captured["deepstack"]
     positions = _positions(model, inputs, ids)
     visual = _visual_positions(model, ids)
     alive = torch.arange(ids.shape[1], device=ids.device)
+    ordinal_of = torch.full((ids.shape[1],), -1, dtype=torch.long, device=ids.device)
+    ordinal_of[visual] = torch.arange(visual.numel(), device=ids.device)
     bounds = [*stages, len(lm.layers)]
     for stage, kept_ordinals in enumerate(kept):
         keep = torch.ones(ids.shape[1], dtype=torch.bool, device=ids.device)
@@ -86,6 +93,10 @@ def reference_step(model, inputs: dict, ids: torch.Tensor, stages: list[int], ke
         for index in range(bounds[stage], bounds[stage + 1]):
             out = lm.layers[index](hidden, attention_mask=mask, position_ids=None, position_embeddings=(cos, sin))
             hidden = out[0] if isinstance(out, tuple) else out
+            if index < len(deepstack):  # a stage before layer n: the kept tokens' DeepStack rows, the rest dropped
+                rows = ordinal_of[alive]
+                hidden = hidden.clone()
+                hidden[0, rows >= 0] += deepstack[index][rows[rows >= 0]].to(hidden.dtype)
     return model.lm_head(lm.norm(hidden)[0, -1])
 
 

@@ -209,10 +209,12 @@ def check_stages(stages: tuple[Stage, ...], adapter: Adapter, scorer: Scorer, co
     """Layers inside the model and increasing, keeps not growing, each stage scorable where the scorer reads."""
     validate_stages(stages, adapter.num_layers)
     first_allowed = adapter.min_prune_layer()
-    if stages[0].layer < first_allowed:
+    inside = [stage.layer for stage in stages if 0 < stage.layer < first_allowed]
+    if inside:
         raise ValueError(
-            f"{adapter.config.model_type} cannot prune before layer {first_allowed} (got layer {stages[0].layer}): "
-            f"DeepStack features are still added to the visual tokens there; use layer >= {first_allowed}."
+            f"{adapter.config.model_type} cannot prune at layer {inside[0]}: DeepStack features are still added to "
+            f"the visual tokens there; prune before the LM (layer 0, DeepStack rows dropped with their tokens) or "
+            f"at a layer >= {first_allowed}."
         )
     if stages[0].layer == 0 and scorer.requires & PRE_LLM_BLOCKERS:
         raise ValueError(

@@ -89,6 +89,7 @@ def _pre_llm_stage(wiring: Wiring, call: CallState, kwargs: dict, view: StageVie
         if positions is None:
             positions = torch.arange(embeds.shape[1], device=embeds.device).expand(embeds.shape[0], -1)
         kwargs["position_ids"] = gather_tokens(positions, new.index_in_previous, positions.dim() - 1)
+    kwargs = wiring.adapter.prune_lm_inputs(kwargs, new.index_in_previous, new.valid)
     call.pre_llm_index, call.pre_llm_valid, call.pre_llm_padded = new.index, new.valid, new.padded
     width = new.index.shape[1]
     identity = torch.arange(width, device=embeds.device).expand(embeds.shape[0], width)

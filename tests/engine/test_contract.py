@@ -19,7 +19,7 @@ from vtprune.models.tiny import SPECIAL_TOKENS, TINY_TYPES, random_image, tiny_i
 torch.set_num_threads(1)
 STEPS = 4
 MULTI_STAGE = ("pdrop", "ttv", "transprune")
-PRE_LLM = ("visionzip", "divprune", "temporal")  # default stage at layer 0; Qwen3-VL (DeepStack) prunes at 2
+PRE_LLM = ("visionzip", "divprune", "temporal")  # default stage at layer 0 (Qwen3-VL: DeepStack rows dropped too)
 CASES = [*vtprune.list_methods(), "random@0", "pdrop@compact", "temporal@fastv", "pdrop@release", "fastv+debias@release"]
 
 
@@ -54,8 +54,6 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["recycle"] = False  # the reference gathers tokens; recycling merges them (tested elsewhere)
     if method == "visionzip":
         options["contextual"] = 0.0  # the reference gathers tokens; the contextual merge is tested elsewhere
-    if model_type == "qwen3_vl" and method in PRE_LLM:
-        options["layer"] = 2
     if variant == "fastv":  # temporal pre-LLM, then FastV per frame at layer 2
         options["then"] = "fastv"
         options.pop("layer", None)
@@ -70,7 +68,7 @@ def _supported(case: str, model_type: str) -> bool:
         return False
     if options.get("parity") == "release" and model_type.startswith("qwen") and method == "pdrop":
         return False  # the release compacts 1-D positions; refused on M-RoPE
-    return not (options.get("layer") == 0 and model_type == "qwen3_vl")
+    return True
 
 
 def _evidence(handle, inputs, model_type: str) -> None:

@@ -180,9 +180,12 @@ def test_bad_options_and_unsupported_layers_are_refused_at_wrap_time():
     with pytest.raises(ValueError, match="attends within windows.*full-attention block: one of \\[1\\]"):
         vtprune.wrap(qwen25, "visionzip", keep=0.25, vit_layer=0)
     qwen3, _ = _model("qwen3_vl")
-    for method in ("visionzip", "divprune", "temporal"):
-        with pytest.raises(ValueError, match="cannot prune before layer 2"):
-            vtprune.wrap(qwen3, method, keep=0.25)
+    for method in ("visionzip", "divprune", "temporal"):  # pre-LLM: DeepStack rows dropped with their tokens
+        handle = vtprune.wrap(qwen3, method, keep=0.25)
+        assert handle.stages[0].layer == 0
+        handle.remove()
+    with pytest.raises(ValueError, match="cannot prune at layer 1: DeepStack"):
+        vtprune.wrap(qwen3, "divprune", schedule="1:0.25")
     with pytest.raises(ValueError, match="cannot prune before the first decoder layer"):
         vtprune.wrap(llava, "dart", keep=0.25, layer=0)
 

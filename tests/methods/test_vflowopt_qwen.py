@@ -235,5 +235,5 @@ def test_qwen_refusals_at_wrap_time():
     with pytest.raises(ValueError, match=r"vit_layer=0 is not a full-attention block .* use one of \[1\]"):
         vtprune.wrap(qwen25, "vflowopt", keep=0.25, vit_layer=0)
     assert [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in qwen25.named_modules()] == pristine
-    with pytest.raises(ValueError, match="qwen3_vl cannot prune before layer 2"):
+    with pytest.raises(ValueError, match="qwen3_vl cannot prune at layer 1: DeepStack"):
         vtprune.wrap(_model("qwen3_vl")[0], "vflowopt", keep=0.25)
