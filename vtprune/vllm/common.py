@@ -50,6 +50,8 @@ class PrunedProcessorMixin:
     item_fields: dict[str, str] = {"image": "pixel_values"}
     #: the tower-attention methods (:data:`~vtprune.vllm.settings.TOWER_METHODS`) this family runs
     tower_methods: tuple[str, ...] = ()
+    #: whether this family's videos arrive as equal frames (temporal patches) that ``temporal`` can rank
+    frame_videos: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -58,19 +60,22 @@ class PrunedProcessorMixin:
         if method in TOWER_METHODS and method not in self.tower_methods:
             raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
                              f"recomputes inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only; serve 'divprune' or 'random' here.")
-        if method in ITEM_BUDGET and "video" not in self.item_fields:
-            raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames and this model "
-                             "takes no video in vLLM; serve an image method such as 'divprune' or 'random'.")
+        if method in ITEM_BUDGET and not self.frame_videos:
+            raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames, which the "
+                             "plugin does for Qwen2-VL / Qwen2.5-VL video only; serve 'divprune' or 'random' here.")
 
     def vtprune_settings(self) -> VllmPruning:
         return VllmPruning.from_config(self.info.get_hf_config())
 
-    def item_frames(self, item: Any, modality: str) -> int:
-        """Temporal patches of an item (1 for images): each keeps its own share."""
+    def item_groups(self, item: Any, modality: str, num_rows: int) -> int | list[int]:
+        """The groups of an item of ``num_rows`` placeholders, each keeping its own share: a number of equal
+        temporal patches (1 for an image), or the groups' sizes (:func:`~vtprune.vllm.select.frame_sizes`)."""
         return 1
 
-    def _call_hf_processor(self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]):
-        out = super()._call_hf_processor(hf_data, without_request_key(hf_kwargs))
+    def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]):
+        """The stock processing (without vtprune's request key; OneVision runs its HF processor from here, not
+        through ``_call_hf_processor``) plus a keep field per item."""
+        out = super()._apply_hf_processor_main(mm_items, without_request_key(hf_kwargs))
         keep = self.vtprune_settings().request_keep(dict(hf_kwargs))
         for modality, name in self.item_fields.items():
             if name in out:
@@ -100,7 +105,7 @@ class PrunedProcessorMixin:
             item = out_mm_kwargs[modality][item_idx]
             keep = int(item[keep_field(modality)].data) / PPM
             method = self.vtprune_settings().selection
-            return tokens[:kept_count(keep, len(tokens), self.item_frames(item, modality), method)]
+            return tokens[:kept_count(keep, len(tokens), self.item_groups(item, modality, len(tokens)), method)]
 
         return dataclasses.replace(update, replacement=replacement)
 
@@ -136,8 +141,9 @@ class PrunedModelMixin:
         if runner is not None:
             runner.is_multimodal_pruning_enabled = True
 
-    def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int = 1) -> torch.Tensor:
-        """Sorted kept row indices ``[k]`` of one item ``[n, D]``; tensor-parallel ranks use rank 0's."""
+    def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int | Sequence[int] = 1) -> torch.Tensor:
+        """Sorted kept row indices ``[k]`` of one item ``[n, D]`` (``frames``: its groups, as
+        :meth:`PrunedProcessorMixin.item_groups`); tensor-parallel ranks use rank 0's."""
         rows = broadcast_from_first_rank(select_rows(self.vtprune.selection, embeddings, keep, frames,
                                                      self.vtprune.seed))
         self.vtprune_selections.append(rows.tolist())

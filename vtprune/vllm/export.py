@@ -20,9 +20,26 @@ HF_TOWER = "vision_tower.vision_model."
 
 
 def llava_hf_names(names: Iterable[str]) -> dict[str, str]:
-    """Old -> new weight name: CLIP tower keys move under ``vision_tower.vision_model.``; others stay."""
-    return {name: HF_TOWER + name[len(TOWER):] if name.startswith(TOWER) and not name.startswith(HF_TOWER)
-            else name for name in names}
+    """Old -> new weight name: tower keys (``vision_tower.*``, or ``model.vision_tower.*`` as transformers 5
+    saves a LLaVA-family model) move under ``vision_tower.vision_model.``; others stay."""
+    out = {}
+    for name in names:
+        prefix = "model." if name.startswith("model." + TOWER) else ""
+        rest = name[len(prefix):]
+        out[name] = (prefix + HF_TOWER + rest[len(TOWER):] if rest.startswith(TOWER) and not rest.startswith(HF_TOWER)
+                     else name)
+    return out
+
+
+def rename_in_place(weights: Path) -> bool:
+    """Rewrite a ``model.safetensors`` in the llava-hf layout if it is not; ``True`` if it was rewritten."""
+    names = _names(weights)
+    if all(llava_hf_names([n])[n] == n for n in names):
+        return False
+    staging = weights.with_name(weights.name + ".partial")
+    _write_renamed(weights, staging)
+    staging.replace(weights)
+    return True
 
 
 def cache_root() -> Path:

@@ -75,8 +75,9 @@ def qwen_block_maps(block: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torc
 
 class QwenProcessorMixin(PrunedProcessorMixin):
     item_fields = {"image": "image_grid_thw", "video": "video_grid_thw"}
+    frame_videos = True
 
-    def item_frames(self, item: Any, modality: str) -> int:
+    def item_groups(self, item: Any, modality: str, num_rows: int) -> int:
         return int(item[f"{modality}_grid_thw"].data[0]) if modality == "video" else 1
 
 
@@ -112,7 +113,7 @@ class QwenPruningMixin(PrunedModelMixin):
             embeddings, maps = self._tower_maps(kwargs)
         else:
             embeddings = super().embed_multimodal(**kwargs)
-        if len(embeddings) == 0:
+        if embeddings is None or len(embeddings) == 0:
             return embeddings
         self.enable_position_updates()
         merge = self.config.vision_config.spatial_merge_size
@@ -128,13 +129,17 @@ class QwenPruningMixin(PrunedModelMixin):
                 if modality == "video" and seconds is not None:
                     factor = float(torch.as_tensor(seconds).reshape(-1)[number]) * per_second
                 if maps is None:
-                    kept = self.vtprune_rows(rows, keep, frames=t)
+                    kept = self.vtprune_rows(self.selection_rows(rows), keep, frames=t)
                     values = rows[kept]
                 else:
                     kept, values = self._visionzip_item(rows, maps, keep, t)
                 offsets = grid_offsets((t, h // merge, w // merge), factor)[kept.cpu()]
                 out.append(torch.cat([values, encode_offsets(offsets, rows.dtype).to(rows.device)], dim=1))
         return out
+
+    def selection_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the selection ranks of an item's rows ``[n, D]`` (all of them; Qwen3-VL: the embedding part)."""
+        return rows
 
     def _tower_maps(self, kwargs: dict) -> tuple[Any, list]:
         """The stock embeddings, run with a pre-hook on the last ViT block, and ``[attention [S'], keys [S', d], 0]``

@@ -15,13 +15,22 @@ tensor-parallel rank that sees the same embeddings selects the same rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from vtprune.config import keep_count
 
 
-def frame_sizes(num_rows: int, frames: int = 1) -> list[int]:
-    """Rows of each frame of an item of ``num_rows`` rows and ``frames`` temporal patches (equal frames)."""
+def frame_sizes(num_rows: int, frames: int | Sequence[int] = 1) -> list[int]:
+    """Rows of each group of an item of ``num_rows`` rows: ``frames`` equal temporal patches, or ``frames`` given
+    as the groups' sizes (LLaVA-NeXT / OneVision: the base view, then the tile grid with its newline column)."""
+    if not isinstance(frames, int):
+        sizes = [int(size) for size in frames]
+        if sum(sizes) != num_rows or min(sizes, default=0) <= 0:
+            raise ValueError(f"vtprune: groups {sizes} do not split an item of {num_rows} rows.")
+        return sizes
     if frames <= 1 or num_rows % frames:
         return [num_rows]
     return [num_rows // frames] * frames
@@ -31,16 +40,34 @@ def frame_sizes(num_rows: int, frames: int = 1) -> list[int]:
 ITEM_BUDGET = ("temporal", "temporal_evs")
 
 
+def image_groups(config: Any, num_rows: int) -> list[int]:
+    """``[base, tiles]`` rows of one packed image of ``num_rows`` rows (one group if there is no tile part, or
+    if the base view keeps CLIP's class token, which vtprune's adapter cannot split either)."""
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    base = side * side
+    with_cls = config.vision_feature_select_strategy == "full" and vision.model_type == "clip_vision_model"
+    return [num_rows] if with_cls or num_rows <= base else [base, num_rows - base]
+
+
+def _check_frames(method: str, frames: int | Sequence[int]) -> None:
+    """Whole-item methods rank a video of equal frames (temporal patches), not an item's other groups."""
+    if not isinstance(frames, int):
+        raise ValueError(f"vtprune: method {method!r} runs on videos of equal frames (Qwen-VL), not on an image's "
+                         "base view and tiles; use 'divprune' or 'random'.")
+
+
 def evs_count(keep: float, num_rows: int, frames: int) -> int:
     """vLLM's EVS count of a video of ``frames`` equal frames at pruning rate ``q = 1 - keep``:
     ``max(rows per frame, int(num_rows * (1 - q)))``."""
     return max(num_rows // frames, int(num_rows * (1 - (1 - keep))))
 
 
-def kept_count(keep: float, num_rows: int, frames: int = 1, method: str = "divprune") -> int:
+def kept_count(keep: float, num_rows: int, frames: int | Sequence[int] = 1, method: str = "divprune") -> int:
     """Rows an item keeps: ``sum_f keep_count(keep, n_f)`` over its frames (one frame for an image);
     ``keep_count(keep, n)`` over the whole item for :data:`ITEM_BUDGET` methods (all ``n`` for an image)."""
     if method in ITEM_BUDGET:
+        _check_frames(method, frames)
         if len(frame_sizes(num_rows, frames)) == 1:
             return num_rows
         return evs_count(keep, num_rows, frames) if method == "temporal_evs" else keep_count(keep, num_rows)
@@ -65,15 +92,17 @@ def temporal_rows(embeddings: torch.Tensor, keep: float, frames: int, evs: bool 
     return torch.sort(-scores, stable=True).indices[:count]
 
 
-def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int = 1, seed: int = 0
+def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int | Sequence[int] = 1, seed: int = 0
                 ) -> torch.Tensor:
     """Sorted indices ``[kept_count(keep, n, frames)]`` (long) of the rows of ``embeddings`` ``[n, D]`` to keep.
 
+    ``frames``: equal temporal patches, or the sizes of the item's groups (:func:`frame_sizes`).
     ``divprune``: each frame keeps its first ``keep_count`` greedy max-min picks (cosine distance);
     ``random``: each frame keeps its rows with the highest seeded random values (ties: the earlier row);
     ``temporal`` / ``temporal_evs``: :func:`temporal_rows` over the whole item.
     """
     if method in ITEM_BUDGET:
+        _check_frames(method, frames)
         if len(frame_sizes(embeddings.shape[0], frames)) == 1:  # an image: no previous frame, kept whole
             return torch.arange(embeddings.shape[0], device=embeddings.device)
         rows = temporal_rows(embeddings, keep, frames, evs=method == "temporal_evs")

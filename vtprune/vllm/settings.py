@@ -32,15 +32,14 @@ ARCHITECTURES = {
     "VtpruneLlavaForConditionalGeneration": "vtprune.vllm.llava:VtpruneLlavaForConditionalGeneration",
     "VtpruneQwen2VLForConditionalGeneration": "vtprune.vllm.qwen:VtpruneQwen2VLForConditionalGeneration",
     "VtpruneQwen2_5_VLForConditionalGeneration": "vtprune.vllm.qwen:VtpruneQwen2_5_VLForConditionalGeneration",
+    "VtpruneLlavaNextForConditionalGeneration": "vtprune.vllm.llava_next:VtpruneLlavaNextForConditionalGeneration",
+    "VtpruneLlavaOnevisionForConditionalGeneration":
+        "vtprune.vllm.llava_next:VtpruneLlavaOnevisionForConditionalGeneration",
+    "VtpruneQwen3VLForConditionalGeneration": "vtprune.vllm.qwen3:VtpruneQwen3VLForConditionalGeneration",
 }
 #: Stock architecture -> its pruned name (what `vtprune serve` and the docs put into hf_overrides).
 PRUNED_NAME = {name.removeprefix("Vtprune"): name for name in ARCHITECTURES}
-UNSUPPORTED = {
-    "LlavaNextForConditionalGeneration": "LLaVA-NeXT's tiles (base view + anyres grid) are not budgeted yet",
-    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision's tiles and video pooling are not budgeted yet",
-    "Qwen3VLForConditionalGeneration": "Qwen3-VL's DeepStack adds visual features inside the first LM layers, "
-                                       "so a pre-LLM selection would drop rows DeepStack still writes to",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 
 def check_keep(keep: Any, where: str = "keep") -> float:

@@ -1,0 +1,150 @@
+"""LLaVA-NeXT, LLaVA-OneVision (tile budgets) and Qwen3-VL (DeepStack) in vLLM with the plugin, on tiny
+random-weight checkpoints that vLLM and transformers load from the same folder (tests/vllm/tiny_folders.py).
+
+Per family: stock vLLM equals transformers; the pruned engine at keep 1.0 equals stock vLLM; at keep 0.25 the
+kept rows, greedy answers and first-step log-probabilities equal vtprune's transformers path (NeXT / OneVision
+with ``rounding="per_image"``: the base view and the tile grid keep their own shares; Qwen3-VL at its pre-LLM
+stage, DeepStack rows dropped with their tokens, original M-RoPE positions), with chunked prefill and prefix
+caching on; images of several aspect ratios (different tile grids), two images per prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import reference
+from conftest import shutdown
+
+FAMILIES = {  # family -> (pruned architecture, transformers-path options, prefill chunk)
+    "llava_next": ("VtpruneLlavaNextForConditionalGeneration", {"rounding": "per_image", "positions": "compact"}, 5),
+    "llava_onevision": ("VtpruneLlavaOnevisionForConditionalGeneration",
+                        {"rounding": "per_image", "positions": "compact"}, 5),
+    "qwen3_vl": ("VtpruneQwen3VLForConditionalGeneration", {}, 3),
+}
+SIZES = [(112, 112), (200, 112), (112, 190)]  # width x height: tile grids 2x2, 1x2, 2x1 (NeXT)
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    from tiny_folders import BUILDERS
+
+    name = request.param
+    return name, str(BUILDERS[name](tmp_path_factory.mktemp(name)))
+
+
+@pytest.fixture(scope="module")
+def samples(items):
+    """Three (image, question) pairs at the three sizes, and a two-image prompt."""
+    chosen = [(image.resize(size), question) for (image, question), size in zip(items, SIZES)]
+    return chosen + [([chosen[1][0], chosen[2][0]], chosen[0][1])]
+
+
+def engine(folder: str, pruned: str | None = None, **options):
+    from vllm import LLM
+
+    settings = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, max_num_seqs=4,
+                    limit_mm_per_prompt={"image": 2, "video": 0})
+    if pruned:
+        settings["hf_overrides"] = {"architectures": [pruned], "vtprune": {"method": "divprune", "keep": 0.25}}
+    settings.update(options)
+    return LLM(folder, **settings)
+
+
+def run(llm, samples, keep=None, logprobs: int = 5) -> list[dict]:
+    """Per request (one at a time): new token ``ids``, prompt ``length``, ``visual`` placeholders, ``cached``
+    prompt tokens and ``top``, the first step's ``{token: log-probability}``."""
+    from vllm import SamplingParams
+
+    from vtprune.vllm.common import clear_selections
+
+    config = llm.llm_engine.model_config.hf_config
+    media = {getattr(config, name, None) for name in ("image_token_id", "image_token_index")} - {None}
+    rows = []
+    llm.apply_model(clear_selections)
+    for image, question in samples:
+        count = len(image) if isinstance(image, list) else 1
+        request = {"prompt": reference.prompt(llm.get_tokenizer(), question, count),
+                   "multi_modal_data": {"image": image}}
+        if keep is not None:
+            request["mm_processor_kwargs"] = {"vtprune_keep": keep}
+        out, = llm.generate([request], SamplingParams(max_tokens=4, temperature=0.0, logprobs=logprobs),
+                            use_tqdm=False)
+        rows.append({"ids": list(out.outputs[0].token_ids), "length": len(out.prompt_token_ids),
+                     "visual": sum(token in media for token in out.prompt_token_ids),
+                     "cached": out.num_cached_tokens or 0,
+                     "top": {t: p.logprob for t, p in out.outputs[0].logprobs[0].items()}})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def expected(family, samples):
+    """vtprune's transformers path on the same folder: unpruned and divprune 0.25 (ids, kept, log-probs)."""
+    name, folder = family
+    model, processor = reference.load_folder(folder)
+    options = FAMILIES[name][1]
+    return {1.0: reference.answers(model, processor, samples, None, 1.0, logprobs=True),
+            0.25: reference.answers(model, processor, samples, "divprune", 0.25, logprobs=True, **options)}
+
+
+@pytest.fixture(scope="module")
+def stock(family, samples, expected):
+    llm = engine(family[1])
+    try:
+        return run(llm, samples)
+    finally:
+        shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def pruned(family, stock):
+    name, folder = family
+    chunk = FAMILIES[name][2]
+    llm = engine(folder, FAMILIES[name][0], enable_prefix_caching=True, enable_chunked_prefill=True,
+                 max_num_batched_tokens=chunk, max_num_seqs=chunk, block_size=32)
+    yield llm
+    shutdown(llm)
+
+
+def close(top: dict, reference_logprobs: list[float]) -> bool:
+    return max(abs(value - reference_logprobs[token]) for token, value in top.items()) < TOLERANCE
+
+
+def test_stock_vllm_equals_transformers(stock, expected):
+    assert [row["ids"] for row in stock] == [ids for ids, _, _ in expected[1.0]]
+    assert all(close(row["top"], want) for row, (_, _, want) in zip(stock, expected[1.0]))
+
+
+def test_keep_one_equals_stock(pruned, samples, stock):
+    got = run(pruned, samples, keep=1.0)
+    assert [(row["ids"], row["length"]) for row in got] == [(row["ids"], row["length"]) for row in stock]
+
+
+def test_quarter_equals_transformers_path(family, pruned, samples, stock, expected):
+    from vtprune.config import keep_count
+    from vtprune.vllm.common import recent_selections
+
+    got = run(pruned, samples, keep=0.25)
+    chosen = pruned.apply_model(recent_selections)[0]
+    want = expected[0.25]
+    assert [row["ids"] for row in got] == [ids for ids, _, _ in want]
+    assert all(close(row["top"], reference_logprobs) for row, (_, _, reference_logprobs) in zip(got, want))
+    singles = chosen[:3]
+    assert singles == [kept for _, kept, _ in want[:3]]
+    # the two-image prompt repeats images 1 and 2 at the same keep: vLLM's encoder cache serves their rows (no
+    # new selection), and the transformers path keeps the same rows of each (ordinals over the prompt's tokens)
+    assert len(chosen) == 3
+    assert singles[1] + [stock[1]["visual"] + i for i in singles[2]] == want[3][1]
+    for row, full, kept in zip(got, stock, singles):
+        assert row["visual"] == len(kept) and row["length"] == full["length"] - full["visual"] + len(kept)
+        n = full["visual"]  # NeXT / OneVision: a 4 x 4 base view, then the tile grid (its own share)
+        assert len(kept) == (keep_count(0.25, 16) + keep_count(0.25, n - 16) if family[0] != "qwen3_vl"
+                             else keep_count(0.25, n))
+
+
+def test_prefix_cache_serves_each_keep_its_own_rows(pruned, samples, stock):
+    image, question = samples[0]
+    item = [(image, " ".join([question] * 8))]  # long enough to fill a 32-token block after the image
+    first, full, again = (run(pruned, item, keep=keep)[0] for keep in (0.25, 1.0, 0.25))
+    assert (first["ids"], first["visual"]) == (again["ids"], again["visual"])
+    assert full["visual"] == stock[0]["visual"] > first["visual"]
+    assert again["cached"] >= 32  # the repeat hit the prefix cache (its own keep's blocks)

@@ -1,0 +1,114 @@
+"""Pruned LLaVA-NeXT and LLaVA-OneVision in vLLM: the base view and the tile grid budgeted as vtprune does.
+
+vLLM packs an image as the base view (``side x side`` rows) followed by the unpadded tile grid with one
+image-newline row per grid row, exactly as transformers does. vtprune's adapter reports these as two segments
+and its per-image methods keep each one's own share (``keep_count(keep, n_base) + keep_count(keep, n_tiles)``,
+the transformers path's count under ``rounding="per_image"``); :func:`image_groups` gives the plugin the same
+two groups, so the front end reserves that many placeholders before the tower runs and the kept rows equal the
+transformers path's. Newline rows are visual tokens like any other, as in the transformers path. A OneVision
+video (frames pooled, one newline after the last) is one group, as vtprune's OneVision adapter segments it.
+Positions are compact (vLLM numbers the kept rows consecutively), as on LLaVA-1.5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.model_executor.models.llava import LlavaDummyInputsBuilder
+from vllm.model_executor.models.llava_next import (
+    LlavaNextForConditionalGeneration,
+    LlavaNextMultiModalProcessor,
+    LlavaNextProcessingInfo,
+)
+from vllm.model_executor.models.llava_onevision import (
+    LlavaOnevisionDummyInputsBuilder,
+    LlavaOnevisionForConditionalGeneration,
+    LlavaOnevisionMultiModalProcessor,
+    LlavaOnevisionProcessingInfo,
+)
+from vllm.multimodal import MULTIMODAL_REGISTRY
+
+from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
+from vtprune.vllm.select import image_groups
+
+
+class TileBudgetInfo:
+    """Encoder-cache budgets for an unpruned item: a request may ask for ``vtprune_keep`` 1.0."""
+
+    def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts):
+        budgets = {"image": self.get_max_image_tokens()}
+        if hasattr(self, "get_max_video_tokens"):
+            budgets["video"] = self.get_max_video_tokens(seq_len, mm_counts)
+        return budgets
+
+
+class VtpruneLlavaNextProcessingInfo(TileBudgetInfo, LlavaNextProcessingInfo):
+    pass
+
+
+class VtpruneLlavaOnevisionProcessingInfo(TileBudgetInfo, LlavaOnevisionProcessingInfo):
+    pass
+
+
+class TileProcessorMixin(PrunedProcessorMixin):
+    """An image keeps its base view's and its tile grid's shares; a video is one group."""
+
+    def item_groups(self, item: Any, modality: str, num_rows: int) -> int | list[int]:
+        return image_groups(self.info.get_hf_config(), num_rows) if modality == "image" else 1
+
+
+class VtpruneLlavaNextProcessor(TileProcessorMixin, LlavaNextMultiModalProcessor):
+    item_fields = {"image": "pixel_values"}
+
+
+class VtpruneLlavaOnevisionProcessor(TileProcessorMixin, LlavaOnevisionMultiModalProcessor):
+    item_fields = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+
+class TileModelMixin(PrunedModelMixin):
+    """Each item's kept rows, images and videos in the order the stock ``embed_multimodal`` returns them."""
+
+    def embed_multimodal(self, **kwargs: object):
+        keeps = {m: kwargs.pop(keep_field(m), None) for m in ("image", "video")}
+        order = [m for key in kwargs for m, names in (("image", ("pixel_values", "image_embeds")),
+                                                      ("video", ("pixel_values_videos", "video_embeds")))
+                 if key in names]
+        order = list(dict.fromkeys(order))
+        embeddings = super().embed_multimodal(**kwargs)
+        if embeddings is None or len(embeddings) == 0:
+            return embeddings
+        out, index = [], 0
+        for modality in order:
+            count = len(keeps[modality]) if keeps[modality] is not None else self._count(kwargs, modality)
+            for keep in item_keeps(keeps[modality], count, self.vtprune.keep):
+                rows = embeddings[index]
+                index += 1
+                groups = image_groups(self.config, rows.shape[0]) if modality == "image" else 1
+                out.append(rows[self.vtprune_rows(rows, keep, groups)])
+        return out
+
+    @staticmethod
+    def _count(kwargs: dict, modality: str) -> int:
+        """Items of ``modality`` in this call without a keep field (its pixel batch)."""
+        values = kwargs.get("pixel_values" if modality == "image" else "pixel_values_videos")
+        return len(values) if values is not None else 0
+
+
+@MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaNextProcessor, info=VtpruneLlavaNextProcessingInfo,
+                                        dummy_inputs=LlavaDummyInputsBuilder)
+class VtpruneLlavaNextForConditionalGeneration(TileModelMixin, LlavaNextForConditionalGeneration):
+    """LLaVA-NeXT whose image embeddings are pruned before the language model."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vtprune_init(vllm_config)
+
+
+@MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaOnevisionProcessor, info=VtpruneLlavaOnevisionProcessingInfo,
+                                        dummy_inputs=LlavaOnevisionDummyInputsBuilder)
+class VtpruneLlavaOnevisionForConditionalGeneration(TileModelMixin, LlavaOnevisionForConditionalGeneration):
+    """LLaVA-OneVision whose image and video embeddings are pruned before the language model."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.vtprune_init(vllm_config)
