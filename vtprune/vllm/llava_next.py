@@ -33,10 +33,13 @@ from vtprune.vllm.select import image_groups
 
 
 class TileBudgetInfo:
-    """Encoder-cache budgets for an unpruned item: a request may ask for ``vtprune_keep`` 1.0."""
+    """Encoder-cache budgets for an unpruned item (a request may ask for ``vtprune_keep`` 1.0): the largest count
+    over every grid pinpoint and vLLM's own largest size (OneVision's is tuned to the released checkpoints)."""
 
     def get_mm_max_tokens_per_item(self, seq_len: int, mm_counts):
-        budgets = {"image": self.get_max_image_tokens()}
+        sizes = [(int(w), int(h)) for h, w in self.get_hf_config().image_grid_pinpoints]
+        sizes.append(tuple(self.get_image_size_with_most_features()))
+        budgets = {"image": max(self.get_num_image_tokens(image_width=w, image_height=h) for w, h in sizes)}
         if hasattr(self, "get_max_video_tokens"):
             budgets["video"] = self.get_max_video_tokens(seq_len, mm_counts)
         return budgets
