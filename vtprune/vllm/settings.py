@@ -20,7 +20,9 @@ TOWER_METHODS = ("visionzip",)
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
 #: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
 NOT_YET = {
-    "vflowopt": "its pre-LLM stage (tower importance map, recycling) is not wired into the plugin",
+    "vflowopt": "its recycling keeps one token per grid cell that holds pruned ones, a count known only after the "
+                "tower runs, while vLLM reserves placeholders before; its pre-LLM stage without recycling is not "
+                "wired into the plugin",
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
 }
