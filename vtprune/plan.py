@@ -213,8 +213,8 @@ def check_stages(stages: tuple[Stage, ...], adapter: Adapter, scorer: Scorer, co
     if inside:
         raise ValueError(
             f"{adapter.config.model_type} cannot prune at layer {inside[0]}: DeepStack features are still added to "
-            f"the visual tokens there; prune before the LM (layer 0, DeepStack rows dropped with their tokens) or "
-            f"at a layer >= {first_allowed}."
+            f"the visual tokens there; give a schedule whose stages are at layers >= {first_allowed} (e.g. "
+            f"schedule='{first_allowed}:0.5'), or at layer 0 for a pre-LLM method (DeepStack rows dropped with their tokens)."
         )
     if stages[0].layer == 0 and scorer.requires & PRE_LLM_BLOCKERS:
         raise ValueError(
