@@ -43,7 +43,7 @@ def test_layer_wise_methods_refused_in_one_line(method):
 @pytest.mark.parametrize("raw, match", [({"keep": 0}, r"outside \(0, 1\]"), ({"keep": 1.5}, r"outside \(0, 1\]"),
                                         ({"keep": "x"}, "not a number"), ({"method": "fastv+debias"}, "inside the LM|"
                                         "prunes inside"), ({"method": "divprune+debias"}, r"\+debias"),
-                                        ({"method": "vflowopt"}, "not available in the vLLM plugin yet"),
+                                        ({"method": "per_frame"}, "not available in the vLLM plugin yet"),
                                         ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting"),
                                         ({"method": "divprune", "count": "evs"}, "with method 'temporal'"),
                                         ({"method": "temporal", "count": "x"}, "count='x'")])
@@ -123,6 +123,31 @@ def test_visionzip_rows_equal_transformers_path():
     merged = [i for i in range(embeddings.shape[0]) if i not in dominant.tolist()]
     assert target == merged[0]
     assert torch.allclose(values[rows.tolist().index(target)], embeddings[merged].mean(dim=0), atol=1e-5)
+
+
+def test_vflowopt_rows_equal_transformers_path():
+    """The plugin's VFlowOpt (pre-LLM stage, no recycling) on the tower map of one image keeps the transformers
+    path's rows: context relevance at the release's threshold scaled to the tower, CLS dropped, top keep."""
+    import vtprune
+    from vtprune.methods import vit
+    from vtprune.vllm.select import top_rows
+
+    model, inputs, embeddings = lm_inputs("llava")
+    layer = vit.encoder_layers(model.model)[vit.feature_layer_index(model.model)]
+    grabbed = []
+    hook = layer.register_forward_pre_hook(lambda module, args: grabbed.append(args[0]))
+    handle = vtprune.wrap(model, "vflowopt", schedule="0:0.25", recycle=False, positions="compact")
+    with torch.no_grad():
+        model(**inputs)
+    want = handle.last_stats.kept_indices[-1][0]
+    handle.remove()
+    hook.remove()
+    with torch.no_grad():
+        maps = vit.vit_attention(layer, grabbed[0])
+    relevance = vit.context_relevance(maps, 35.0 * maps.shape[-1] / 730)[0, 1:]  # T = 17 tokens, CLS dropped
+    assert top_rows(relevance, 0.25).tolist() == want
+    assert len(want) == kept_count(0.25, embeddings.shape[0], method="vflowopt") == 4
+    assert top_rows(torch.tensor([1.0, 3.0, 3.0, 2.0]), 0.5).tolist() == [1, 2]  # ties: the earlier row
 
 
 def test_selection_is_a_pure_function_of_inputs_and_seed():

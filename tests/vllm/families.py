@@ -18,6 +18,7 @@ class FamilyChecks:
     family = ""
     options: dict = {}  # vtprune.wrap options that give the positions vLLM uses
     chunk = 4  # max_num_batched_tokens of the pruned engine
+    engine_options: dict = {}  # further LLM(...) options of the pruned engine
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -42,7 +43,7 @@ class FamilyChecks:
     @classmethod
     def engine(cls, stock):
         llm = make_llm(cls.family, enable_prefix_caching=True, enable_chunked_prefill=True,
-                       max_num_batched_tokens=cls.chunk, max_num_seqs=cls.chunk, block_size=32)
+                       max_num_batched_tokens=cls.chunk, max_num_seqs=cls.chunk, block_size=32, **cls.engine_options)
         yield llm
         shutdown(llm)
 

@@ -148,3 +148,21 @@ def test_prefix_cache_serves_each_keep_its_own_rows(pruned, samples, stock):
     assert (first["ids"], first["visual"]) == (again["ids"], again["visual"])
     assert full["visual"] == stock[0]["visual"] > first["visual"]
     assert again["cached"] >= 32  # the repeat hit the prefix cache (its own keep's blocks)
+
+
+@pytest.mark.parametrize(("name", "method", "limits", "message"), [
+    ("qwen3_vl", "divprune", {"image": 1, "video": 1}, "Qwen3-VL video is not pruned by the vLLM plugin yet"),
+    ("llava_next", "temporal", None, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
+    ("llava_onevision", "visionzip", None, "inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only"),
+    ("llava_next", "vflowopt", None, "inside vLLM's tower for LLaVA-1.5 only"),
+])
+def test_unsupported_combinations_refused_at_start(name, method, limits, message, tmp_path, capfd):
+    from tiny_folders import BUILDERS
+    from vllm import LLM
+
+    folder = str(BUILDERS[name](tmp_path))
+    with pytest.raises(Exception) as error:
+        LLM(folder, enforce_eager=True, dtype="float32", max_model_len=1024,
+            limit_mm_per_prompt=limits or {"image": 1, "video": 0},
+            hf_overrides={"architectures": [FAMILIES[name][0]], "vtprune": {"method": method, "keep": 0.25}})
+    assert message in str(error.value) + "".join(capfd.readouterr())

@@ -42,6 +42,25 @@ def _save(model_cls, config, target: Path, seed: int) -> None:
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": config.text_config.eos_token_id}))
 
 
+def _llava_parts(target: Path, text_cls: type, vision_cls: type, **vision_extra) -> tuple[dict, object, object]:
+    """The embedded LLaVA's tokenizer copied into ``target`` (its config returned), a text config and a 2-layer
+    vision config (112 px images, 28 px patches: a 4 x 4 base view) for a LLaVA-family checkpoint."""
+    base = _copy_tokenizer("llava", target)
+    text = text_cls(vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                    **TEXT)
+    vision = vision_cls(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        image_size=112, patch_size=28, **vision_extra)
+    return base, text, vision
+
+
+def _processor_parts(target: Path) -> dict:
+    """The tokenizer and chat template of a folder, as processor keyword arguments."""
+    from transformers import PreTrainedTokenizerFast
+
+    return {"tokenizer": PreTrainedTokenizerFast.from_pretrained(target),
+            "chat_template": (target / "chat_template.jinja").read_text()}
+
+
 def llava_next_folder(target: Path, seed: int = 0) -> Path:
     """LLaVA-NeXT: CLIP 112 px / 28 px patches (16 base tokens), tiles of 112 px up to 2 x 2."""
     from transformers import (
@@ -51,24 +70,18 @@ def llava_next_folder(target: Path, seed: int = 0) -> Path:
         LlavaNextForConditionalGeneration,
         LlavaNextImageProcessor,
         LlavaNextProcessor,
-        PreTrainedTokenizerFast,
     )
 
-    base = _copy_tokenizer("llava", target)
-    text = LlamaConfig(vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       **TEXT)
-    vision = CLIPVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                              image_size=112, patch_size=28, hidden_act="quick_gelu")
+    base, text, vision = _llava_parts(target, LlamaConfig, CLIPVisionConfig, hidden_act="quick_gelu")
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=base["image_token_index"],
                              vision_feature_layer=-1, vision_feature_select_strategy="default",
                              image_grid_pinpoints=PINPOINTS, tie_word_embeddings=False)
     _save(LlavaNextForConditionalGeneration, config, target, seed)
     images = LlavaNextImageProcessor(size={"shortest_edge": 112}, crop_size={"height": 112, "width": 112},
                                      image_grid_pinpoints=PINPOINTS)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
-    LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=28, image_token="<image>",
+    LlavaNextProcessor(image_processor=images, patch_size=28, image_token="<image>",
                        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                       chat_template=(target / "chat_template.jinja").read_text()).save_pretrained(target)
+                       **_processor_parts(target)).save_pretrained(target)
     return target
 
 
@@ -80,29 +93,21 @@ def llava_onevision_folder(target: Path, seed: int = 0) -> Path:
         LlavaOnevisionImageProcessor,
         LlavaOnevisionProcessor,
         LlavaOnevisionVideoProcessor,
-        PreTrainedTokenizerFast,
         Qwen2Config,
         SiglipVisionConfig,
     )
 
-    base = _copy_tokenizer("llava", target)
-    text = Qwen2Config(vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                       **TEXT)
-    vision = SiglipVisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                image_size=112, patch_size=28)
+    base, text, vision = _llava_parts(target, Qwen2Config, SiglipVisionConfig)
     pinpoints = [[112, 112], [112, 224], [224, 112]]
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_id=base["image_token_index"],
                                   video_token_id=3, vision_feature_layer=-1, vision_feature_select_strategy="full",
                                   image_grid_pinpoints=pinpoints, tie_word_embeddings=False)
     _save(LlavaOnevisionForConditionalGeneration, config, target, seed)
     images = LlavaOnevisionImageProcessor(size={"height": 112, "width": 112}, image_grid_pinpoints=pinpoints)
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
-    processor = LlavaOnevisionProcessor(
-        image_processor=images, tokenizer=tokenizer, image_token="<image>", video_token="<video>",
+    LlavaOnevisionProcessor(
+        image_processor=images, image_token="<image>", video_token="<video>",
         video_processor=LlavaOnevisionVideoProcessor(size={"height": 112, "width": 112}),
-        vision_feature_select_strategy="full", num_image_tokens=16,
-        chat_template=(target / "chat_template.jinja").read_text())
-    processor.save_pretrained(target)
+        vision_feature_select_strategy="full", num_image_tokens=16, **_processor_parts(target)).save_pretrained(target)
     return target
 
 

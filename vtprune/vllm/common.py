@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from vtprune.vllm.select import ITEM_BUDGET, kept_count, select_rows
-from vtprune.vllm.settings import REQUEST_KEY, TOWER_METHODS, VllmPruning, check_vllm_version
+from vtprune.vllm.settings import REQUEST_KEY, TOWER_FAMILIES, TOWER_METHODS, VllmPruning, check_vllm_version
 
 PPM = 1_000_000
 
@@ -34,6 +34,16 @@ def without_request_key(kwargs: Mapping[str, object]) -> dict[str, object]:
     return {key: value for key, value in kwargs.items() if key != REQUEST_KEY}
 
 
+#: modality -> the ``embed_multimodal`` keyword arguments that carry its items (pixels or precomputed embeddings)
+MODALITY_KEYS = {"image": ("pixel_values", "image_embeds"), "video": ("pixel_values_videos", "video_embeds")}
+
+
+def modality_order(kwargs: Mapping[str, object]) -> list[str]:
+    """The modalities of an ``embed_multimodal`` call in the order vLLM's models return their items (the order
+    of their keyword arguments)."""
+    return list(dict.fromkeys(m for key in kwargs for m, keys in MODALITY_KEYS.items() if key in keys))
+
+
 def item_keeps(values: Any, count: int, default: float) -> list[float]:
     """``count`` keep fractions from a batched ppm field (``None``: the model's default)."""
     if values is None:
@@ -46,8 +56,8 @@ def item_keeps(values: Any, count: int, default: float) -> list[float]:
 class PrunedProcessorMixin:
     """Front-end side: a keep field per item and ``kept_count`` placeholders per item."""
 
-    #: modality -> the HF output field whose first dimension counts that modality's items
-    item_fields: dict[str, str] = {"image": "pixel_values"}
+    #: the modalities this family prunes (each item gets a keep field and ``kept_count`` placeholders)
+    modalities: tuple[str, ...] = ("image",)
     #: the tower-attention methods (:data:`~vtprune.vllm.settings.TOWER_METHODS`) this family runs
     tower_methods: tuple[str, ...] = ()
     #: whether this family's videos arrive as equal frames (temporal patches) that ``temporal`` can rank
@@ -59,7 +69,8 @@ class PrunedProcessorMixin:
         method = self.vtprune_settings().method  # refuse bad settings when vLLM builds the processor (at start-up)
         if method in TOWER_METHODS and method not in self.tower_methods:
             raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
-                             f"recomputes inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only; serve 'divprune' or 'random' here.")
+                             f"recomputes inside vLLM's tower for {TOWER_FAMILIES[method]} only; serve 'divprune' or "
+                             "'random' here.")
         if method in ITEM_BUDGET and not self.frame_videos:
             raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames, which the "
                              "plugin does for Qwen2-VL / Qwen2.5-VL video only; serve 'divprune' or 'random' here.")
@@ -77,16 +88,16 @@ class PrunedProcessorMixin:
         through ``_call_hf_processor``) plus a keep field per item."""
         out = super()._apply_hf_processor_main(mm_items, without_request_key(hf_kwargs))
         keep = self.vtprune_settings().request_keep(dict(hf_kwargs))
-        for modality, name in self.item_fields.items():
-            if name in out:
-                out[keep_field(modality)] = torch.full((len(out[name]),), round(keep * PPM), dtype=torch.long)
+        for modality, count in mm_items.get_all_counts().items():  # pixels and precomputed embeddings alike
+            if modality in self.modalities and count:
+                out[keep_field(modality)] = torch.full((count,), round(keep * PPM), dtype=torch.long)
         return out
 
     def _get_mm_fields_config(self, hf_inputs: Any, hf_processor_mm_kwargs: Mapping[str, object]):
         from vllm.multimodal.inputs import MultiModalFieldConfig
 
         config = dict(super()._get_mm_fields_config(hf_inputs, without_request_key(hf_processor_mm_kwargs)))
-        for modality in self.item_fields:
+        for modality in self.modalities:
             config[keep_field(modality)] = MultiModalFieldConfig.batched(modality, keep_on_cpu=True)
         return config
 
@@ -140,6 +151,22 @@ class PrunedModelMixin:
         runner = self._vtprune_runner() if self._vtprune_runner is not None else None
         if runner is not None:
             runner.is_multimodal_pruning_enabled = True
+
+    def prune_items(self, embeddings: Sequence[torch.Tensor], kwargs: dict, keeps: dict) -> list[torch.Tensor]:
+        """Each item's kept rows ``[k_i, D]`` of the stock ``embeddings`` of a call, in their order; ``keeps``:
+        the popped keep field of each modality; an item's groups come from :meth:`row_groups`."""
+        out, index = [], 0
+        for modality in modality_order(kwargs):
+            count = len(embeddings) - index if keeps.get(modality) is None else len(keeps[modality])
+            for keep in item_keeps(keeps.get(modality), count, self.vtprune.keep):
+                rows = embeddings[index]
+                index += 1
+                out.append(rows[self.vtprune_rows(rows, keep, self.row_groups(modality, rows.shape[0]))])
+        return out
+
+    def row_groups(self, modality: str, num_rows: int) -> int | list[int]:
+        """The groups of an item of ``num_rows`` rows (the processor's :meth:`PrunedProcessorMixin.item_groups`)."""
+        return 1
 
     def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int | Sequence[int] = 1) -> torch.Tensor:
         """Sorted kept row indices ``[k]`` of one item ``[n, D]`` (``frames``: its groups, as

@@ -33,8 +33,7 @@ def llava_hf_names(names: Iterable[str]) -> dict[str, str]:
 
 def rename_in_place(weights: Path) -> bool:
     """Rewrite a ``model.safetensors`` in the llava-hf layout if it is not; ``True`` if it was rewritten."""
-    names = _names(weights)
-    if all(llava_hf_names([n])[n] == n for n in names):
+    if all(old == new for old, new in llava_hf_names(_names(weights)).items()):
         return False
     staging = weights.with_name(weights.name + ".partial")
     _write_renamed(weights, staging)

@@ -28,7 +28,7 @@ from vllm.model_executor.models.llava_onevision import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
+from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, keep_field
 from vtprune.vllm.select import image_groups
 
 
@@ -61,40 +61,25 @@ class TileProcessorMixin(PrunedProcessorMixin):
 
 
 class VtpruneLlavaNextProcessor(TileProcessorMixin, LlavaNextMultiModalProcessor):
-    item_fields = {"image": "pixel_values"}
+    modalities = ("image",)
 
 
 class VtpruneLlavaOnevisionProcessor(TileProcessorMixin, LlavaOnevisionMultiModalProcessor):
-    item_fields = {"image": "pixel_values", "video": "pixel_values_videos"}
+    modalities = ("image", "video")
 
 
 class TileModelMixin(PrunedModelMixin):
-    """Each item's kept rows, images and videos in the order the stock ``embed_multimodal`` returns them."""
+    """Each item's kept rows: an image's base view and tile grid keep their own shares, a video is one group."""
 
     def embed_multimodal(self, **kwargs: object):
         keeps = {m: kwargs.pop(keep_field(m), None) for m in ("image", "video")}
-        order = [m for key in kwargs for m, names in (("image", ("pixel_values", "image_embeds")),
-                                                      ("video", ("pixel_values_videos", "video_embeds")))
-                 if key in names]
-        order = list(dict.fromkeys(order))
         embeddings = super().embed_multimodal(**kwargs)
         if embeddings is None or len(embeddings) == 0:
             return embeddings
-        out, index = [], 0
-        for modality in order:
-            count = len(keeps[modality]) if keeps[modality] is not None else self._count(kwargs, modality)
-            for keep in item_keeps(keeps[modality], count, self.vtprune.keep):
-                rows = embeddings[index]
-                index += 1
-                groups = image_groups(self.config, rows.shape[0]) if modality == "image" else 1
-                out.append(rows[self.vtprune_rows(rows, keep, groups)])
-        return out
+        return self.prune_items(embeddings, kwargs, keeps)
 
-    @staticmethod
-    def _count(kwargs: dict, modality: str) -> int:
-        """Items of ``modality`` in this call without a keep field (its pixel batch)."""
-        values = kwargs.get("pixel_values" if modality == "image" else "pixel_values_videos")
-        return len(values) if values is not None else 0
+    def row_groups(self, modality: str, num_rows: int) -> int | list[int]:
+        return image_groups(self.config, num_rows) if modality == "image" else 1
 
 
 @MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaNextProcessor, info=VtpruneLlavaNextProcessingInfo,

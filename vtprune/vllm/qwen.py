@@ -30,7 +30,7 @@ from vllm.model_executor.models.qwen2_vl import (
 )
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
-from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
+from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field, modality_order
 from vtprune.vllm.positions import fill_chunk, prompt_positions
 from vtprune.vllm.select import frame_sizes, grid_extent, grid_offsets, visionzip_rows
 
@@ -74,7 +74,7 @@ def qwen_block_maps(block: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torc
 
 
 class QwenProcessorMixin(PrunedProcessorMixin):
-    item_fields = {"image": "image_grid_thw", "video": "video_grid_thw"}
+    modalities = ("image", "video")
     frame_videos = True
 
     def item_groups(self, item: Any, modality: str, num_rows: int) -> int:
@@ -94,18 +94,9 @@ class VtpruneQwen2_5_VLProcessor(QwenProcessorMixin, Qwen2_5_VLMultiModalProcess
 class QwenPruningMixin(PrunedModelMixin):
     """Selection with original M-RoPE positions for the Qwen-VL classes."""
 
-    def _item_order(self, kwargs: dict) -> list[str]:
-        order: list[str] = []
-        for key in kwargs:
-            if key in ("pixel_values", "image_embeds") and "image" not in order:
-                order.append("image")
-            if key in ("pixel_values_videos", "video_embeds") and "video" not in order:
-                order.append("video")
-        return order
-
     def embed_multimodal(self, **kwargs: object):
         keeps = {m: kwargs.pop(keep_field(m), None) for m in ("image", "video")}
-        order = self._item_order(kwargs)
+        order = modality_order(kwargs)
         grids = {m: kwargs.get(f"{m}_grid_thw") for m in order}
         seconds = kwargs.get("second_per_grid_ts")
         maps = None  # visionzip: [attention, keys, rows consumed so far] over the call's items

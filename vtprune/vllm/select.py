@@ -125,6 +125,13 @@ def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int 
     return torch.sort(torch.cat(picks)).values
 
 
+def top_rows(values: torch.Tensor, keep: float) -> torch.Tensor:
+    """Sorted indices ``[keep_count(keep, n)]`` of the highest of ``values`` ``[n]`` (ties: the earlier row), as
+    vtprune's engine keeps a pre-LLM stage's top scores (VFlowOpt's importance without recycling)."""
+    order = torch.sort(-values.float(), stable=True).indices[:keep_count(keep, values.shape[0])]
+    return torch.sort(order).values
+
+
 def visionzip_rows(attention: torch.Tensor, keys: torch.Tensor, embeddings: torch.Tensor, keep: float,
                    contextual: float | None = None, value: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
     """VisionZip on one image: sorted kept rows ``[k]`` (long) and their values ``[k, D]``, ``k = keep_count(keep, n)``.

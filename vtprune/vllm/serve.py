@@ -36,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="embedded:llava, embedded:qwen2_vl, a model folder or a Hub id (LLaVA-1.5, LLaVA-NeXT, "
                             "LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL images)")
-    serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video) or "
-                       "visionzip (LLaVA-1.5, Qwen2-VL): the methods vLLM allows")
+    serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video), "
+                       "visionzip (LLaVA-1.5, Qwen2-VL) or vflowopt (LLaVA-1.5; its pre-LLM stage, no recycling): "
+                       "the methods vLLM allows")
     serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept")
     serve.add_argument("--seed", type=int, default=0, help="seed of --method random")
     serve.add_argument("--host", default="127.0.0.1", help="address the server listens on")

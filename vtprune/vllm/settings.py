@@ -13,16 +13,14 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-VLLM_METHODS = ("divprune", "random", "temporal", "visionzip")
-#: Methods that read the vision tower's attention (recomputed inside vLLM's tower): LLaVA-1.5, Qwen2-VL.
-TOWER_METHODS = ("visionzip",)
+VLLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
+#: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
+TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen2-VL", "vflowopt": "LLaVA-1.5"}
+TOWER_METHODS = tuple(TOWER_FAMILIES)
 #: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
 #: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
 NOT_YET = {
-    "vflowopt": "its recycling keeps one token per grid cell that holds pruned ones, a count known only after the "
-                "tower runs, while vLLM reserves placeholders before; its pre-LLM stage without recycling is not "
-                "wired into the plugin",
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
 }
