@@ -53,6 +53,16 @@ def _llava_parts(target: Path, text_cls: type, vision_cls: type, **vision_extra)
     return base, text, vision
 
 
+def _add_token(target: Path, token: str) -> int:
+    """Add a special ``token`` to the folder's tokenizer (saved back); its id."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(target)
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+    tokenizer.save_pretrained(target)
+    return tokenizer.convert_tokens_to_ids(token)
+
+
 def _processor_parts(target: Path) -> dict:
     """The tokenizer and chat template of a folder, as processor keyword arguments."""
     from transformers import PreTrainedTokenizerFast
@@ -98,9 +108,11 @@ def llava_onevision_folder(target: Path, seed: int = 0) -> Path:
     )
 
     base, text, vision = _llava_parts(target, Qwen2Config, SiglipVisionConfig)
+    video_token = _add_token(target, "<video>")  # the embedded tokenizer has no video token
+    text.vocab_size = video_token + 1
     pinpoints = [[112, 112], [112, 224], [224, 112]]
     config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_id=base["image_token_index"],
-                                  video_token_id=3, vision_feature_layer=-1, vision_feature_select_strategy="full",
+                                  video_token_id=video_token, vision_feature_layer=-1, vision_feature_select_strategy="full",
                                   image_grid_pinpoints=pinpoints, tie_word_embeddings=False)
     _save(LlavaOnevisionForConditionalGeneration, config, target, seed)
     images = LlavaOnevisionImageProcessor(size={"height": 112, "width": 112}, image_grid_pinpoints=pinpoints)
