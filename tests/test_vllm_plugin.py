@@ -125,6 +125,33 @@ def test_visionzip_rows_equal_transformers_path():
     assert torch.allclose(values[rows.tolist().index(target)], embeddings[merged].mean(dim=0), atol=1e-5)
 
 
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+def test_random_multi_image_rows_equal_transformers_path_per_image(model_type):
+    """Two images in one prompt: under ``rounding="per_image"`` the transformers path's ``random`` (pre-LLM)
+    draws each image's own values and keeps its own share, the rows the plugin keeps image by image."""
+    import vtprune
+    from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
+
+    model, processor = tiny_model(model_type)
+    images = [random_image(64, 64, 1), random_image(96, 64, 2)]
+    inputs = tiny_inputs(processor, model_type, [("how many?", images)])
+    token = model.config.image_token_id
+    handle = vtprune.wrap(model, "random", keep=0.28, layer=0, rounding="per_image", seed=3)
+    with torch.no_grad():
+        model(**inputs)
+    want = handle.last_stats.kept_indices[-1][0]
+    segments = handle.adapter.segments(inputs["input_ids"], inputs)[0]
+    handle.remove()
+    sizes = [segment.length for segment in segments]
+    assert sum(sizes) == int((inputs["input_ids"] == token).sum()) and len(sizes) == 2
+    rows, start = [], 0
+    for size in sizes:  # the plugin: each image alone (its rows' values do not matter to random)
+        rows += (select_rows("random", torch.zeros(size, 4), 0.28, seed=3) + start).tolist()
+        start += size
+    assert want == rows
+    assert len(want) == sum(kept_count(0.28, n) for n in sizes)
+
+
 def test_vflowopt_rows_equal_transformers_path():
     """The plugin's VFlowOpt (pre-LLM stage, no recycling) on the tower map of one image keeps the transformers
     path's rows: context relevance at the release's threshold scaled to the tower, CLS dropped, top keep."""

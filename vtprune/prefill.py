@@ -160,6 +160,7 @@ def context(wiring: Wiring, call: CallState, view: StageView, hidden: torch.Tens
         segments=call.segments, adapter=wiring.adapter, inputs=call.inputs, state=call.method_state,
         visual_counts=call.visual_counts, stage=wiring.stages[stage_index], stage_index=stage_index,
         count_rule=wiring.plan.count, planned=call.planned[stage_index] if wiring.stages else None,
+        rounding=wiring.plan.rounding,
     )
 
 

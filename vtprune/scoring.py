@@ -43,6 +43,8 @@ class ScoreContext:
         engine at every stage): :meth:`kept_count` gives a group's quota from it.
     planned: the stage's kept count of each sample, as the plan counted it (``list[int]``; set by the engine):
         :meth:`sample_kept_count`.
+    rounding: the plan's ``"sample"`` or ``"per_image"`` counting (under ``"per_image"`` every image and video
+        frame keeps its own share, as the vLLM plugin must).
     """
 
     hidden: torch.Tensor
@@ -63,6 +65,7 @@ class ScoreContext:
     attention_filter: Callable[[ScoreContext, torch.Tensor], torch.Tensor] | None = None
     count_rule: Callable[[float, int], int] | None = None
     planned: list[int] | None = None
+    rounding: str = "sample"
 
     def __post_init__(self) -> None:
         if self.visual_counts is None:

@@ -8,8 +8,9 @@ from typing import ClassVar
 import torch
 
 from vtprune.config import Stage
-from vtprune.methods import options
+from vtprune.methods import lm_inputs, options
 from vtprune.methods.base import Scorer
+from vtprune.methods.per_frame import frame_ids
 from vtprune.methods.registry import register_method
 from vtprune.scoring import ScoreContext
 
@@ -46,8 +47,24 @@ class RandomPruning(Scorer):
         options.integer(self.seed, "seed")
 
     def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if ctx.rounding == "per_image":  # each image / frame its own values and share, as the vLLM plugin draws them
+            return lm_inputs.per_image_scores(ctx, lambda row, groups, quota: self._group_values(ctx, row))
         table = random_values(max(ctx.visual_counts, default=0) + 1, self.seed, ctx.stage.layer).to(ctx.valid.device)
         return torch.where(ctx.ordinal >= 0, table[ctx.ordinal.clamp(min=0)], torch.zeros_like(table[:1]))
+
+    def _group_values(self, ctx: ScoreContext, row: int) -> torch.Tensor:
+        """``[L]`` values of sample ``row``: a visual slot's value in ``random_values(n_g)`` of its image / frame
+        ``g`` (``n_g`` original tokens), indexed by its place in that group; 0 off the visual tokens."""
+        total = ctx.visual_counts[row]
+        ids = frame_ids(ctx.segments[row], total)
+        sizes = torch.bincount(ids, minlength=int(ids.max()) + 1 if total else 0)
+        starts = torch.cumsum(sizes, 0) - sizes  # groups are contiguous runs of ordinals
+        table = torch.zeros(total + 1)
+        for start, size in zip(starts.tolist(), sizes.tolist(), strict=True):
+            table[start:start + size] = random_values(size, self.seed, ctx.stage.layer)
+        ordinal = ctx.ordinal[row]
+        values = table.to(ordinal.device)[ordinal.clamp(min=0)]
+        return torch.where(ordinal >= 0, values, torch.zeros_like(values))
 
 
 @register_method
