@@ -84,9 +84,12 @@ class Qwen2VLAdapter(Adapter):
         grids = {kind: inputs.get(f"{kind}_grid_thw") for kind in ("image", "video")}
         used, merge, result = {"image": 0, "video": 0}, self.merge_size, []
         for row in input_ids.tolist():
-            segments, ordinal = [], 0
+            segments, ordinal, owed = [], 0, {"image": 0, "video": 0}
             for kind, start, end in self._runs(row):
-                remaining = end - start
+                # Qwen3-VL writes a timestamp before every frame: one video's grid spans several runs
+                covered = min(owed[kind], end - start)
+                owed[kind] -= covered
+                remaining = end - start - covered
                 while remaining > 0:
                     table = grids[kind]
                     if table is None or used[kind] >= len(table):
@@ -98,6 +101,7 @@ class Qwen2VLAdapter(Adapter):
                     segment = VisualSegment(ordinal, t, h // merge, w // merge, kind=kind)
                     segments.append(segment)
                     ordinal += segment.length
+                    owed[kind] = max(segment.length - remaining, 0)
                     remaining -= segment.length
             result.append(segments)
         return result
