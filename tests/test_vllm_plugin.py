@@ -15,8 +15,15 @@ import torch
 from cases import lm_input_embeds
 
 from vtprune.vllm import settings
-from vtprune.vllm.positions import fill_chunk, prompt_positions
-from vtprune.vllm.select import grid_offsets, kept_count, select_rows, visionzip_rows
+from vtprune.vllm.positions import fill_chunk, media_runs, prompt_positions
+from vtprune.vllm.select import (
+    frame_offsets,
+    grid_offsets,
+    kept_count,
+    select_rows,
+    truncate_runs,
+    visionzip_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,6 +245,53 @@ def test_positions_equal_the_unpruned_ones_at_the_kept_tokens_for_any_chunking(c
     assert delta == int(want.max()) + 1 - length
 
 
+def test_truncate_runs_keeps_each_frames_share_and_every_timestamp():
+    V, S, E = 9, 7, 8  # video token, <|vision_start|>, <|vision_end|>
+    frame = [1, 2, S] + [V] * 6 + [E]  # a two-token timestamp, then one frame of 6 tokens
+    assert truncate_runs(frame * 2, V, 0.5) == ([1, 2, S] + [V] * 3 + [E]) * 2
+    assert truncate_runs(frame, V, 0.01) == [1, 2, S, V, E]  # at least one token per frame
+    assert truncate_runs(frame * 3, V, 1.0) == frame * 3
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 7, 64])
+def test_qwen3_video_positions_equal_the_unpruned_ones_for_any_chunking(chunk):
+    """A Qwen3-VL video, written out by hand: per frame a 2-token timestamp, <|vision_start|>, a 2 x 3 frame
+    numbered (0, y, x) from its own base, <|vision_end|>; text continues at base + max(h, w)."""
+    before, after, frames, (h, w) = 2, 3, 3, (2, 3)
+    kept = [[0, 4], [1, 2, 5], [3]]  # each frame's kept tokens (a frame keeps at least one)
+    full, pruned, media, cursor = [], [], [], 0
+    for _ in range(before):
+        full.append([cursor] * 3), pruned.append(True), media.append(False)
+        cursor += 1
+    for frame in range(frames):
+        for _ in range(3):  # the timestamp's two tokens and <|vision_start|>
+            full.append([cursor] * 3), pruned.append(True), media.append(False)
+            cursor += 1
+        for index in range(h * w):
+            full.append([cursor, cursor + index // w, cursor + index % w])
+            pruned.append(index in kept[frame]), media.append(True)
+        cursor += max(h, w)
+        full.append([cursor] * 3), pruned.append(True), media.append(False)  # <|vision_end|>
+        cursor += 1
+    for _ in range(after):
+        full.append([cursor] * 3), pruned.append(True), media.append(False)
+        cursor += 1
+    columns = torch.tensor(pruned)
+    want = torch.tensor(full).T[:, columns]
+    short_media = torch.tensor(media)[columns]
+    runs = [(start, end - start, max(h, w)) for start, end in media_runs(short_media)]
+    positions, delta = prompt_positions(len(want[0]), runs)
+    offsets = frame_offsets((frames, h, w))[torch.tensor([f * h * w + i for f in range(frames) for i in kept[f]])]
+    assert offsets[:, 0].eq(0).all()
+    rank = torch.cumsum(short_media.long(), 0) - short_media.long()  # row of each placeholder
+    for start in range(0, want.shape[1], chunk):  # vLLM passes the video's rows inside each chunk
+        inside = short_media[start:start + chunk].nonzero().flatten() + start
+        slices = [offsets[int(rank[inside[0]]):int(rank[inside[-1]]) + 1]] if len(inside) else []
+        positions = fill_chunk(positions, short_media, slices, start)
+    assert torch.equal(positions, want)
+    assert delta == int(want.max()) + 1 - want.shape[1]
+
+
 def test_exported_llava_loads_to_an_identical_state_dict(tmp_path):
     from transformers import LlavaForConditionalGeneration
 
@@ -314,10 +368,8 @@ def test_serve_command_line(cli):
     assert "--limit-mm-per-prompt" not in out
 
 
-def test_serve_qwen3_vl_serves_images_only(cli, tmp_path):
+def test_serve_qwen3_vl_serves_images_and_video(cli, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"]}))
     code, out, _ = cli("serve", str(tmp_path), "--dry-run")
     assert code == 0 and "VtpruneQwen3VLForConditionalGeneration" in out
-    assert '--limit-mm-per-prompt {"image": 4, "video": 0}' in out
-    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--limit-mm-per-prompt", '{"image": 1}')
-    assert out.count("--limit-mm-per-prompt") == 1
+    assert "--limit-mm-per-prompt" not in out  # vLLM's own limits: images and video

@@ -79,3 +79,40 @@ def video_answers(model, processor, frames, question: str, method: str, keep: fl
     finally:
         handle.remove()
     return result[0, inputs["input_ids"].shape[1]:].tolist(), kept
+
+
+def video_metadata(count: int, fps: float = 2.0) -> dict:
+    """Metadata of ``count`` decoded frames at ``fps`` (Qwen3-VL writes each temporal patch's time from it)."""
+    return {"fps": fps, "total_num_frames": count, "duration": count / fps, "frames_indices": list(range(count))}
+
+
+def media_prompt(processor, question: str, image: bool) -> str:
+    """An (optional) image, then a video, then ``question`` (the template's second image entry becomes the video)."""
+    text = prompt(processor, question, 1 + image)
+    head, _, tail = text.rpartition("<|image_pad|>")
+    return head + "<|video_pad|>" + tail
+
+
+def media_answers(model, processor, question: str, frames, image=None, method: str | None = None, keep: float = 1.0,
+                  **options):
+    """``(new token ids, kept indices, first-step log-probabilities)`` of an (optional) image and a video (a list
+    of frames, with :func:`video_metadata`) on the folder's own processor; ``method=None``: unwrapped."""
+    import numpy as np
+
+    import vtprune
+
+    inputs = processor(text=media_prompt(processor, question, image is not None),
+                       images=[image] if image is not None else None,
+                       videos=[np.stack([np.asarray(f) for f in frames])], video_metadata=[video_metadata(len(frames))],
+                       do_sample_frames=False, return_tensors="pt")
+    handle = vtprune.wrap(model, method, keep=keep, **options) if method else None
+    try:
+        with torch.no_grad():
+            result = model.generate(**inputs, max_new_tokens=4, do_sample=False, output_scores=True,
+                                    return_dict_in_generate=True)
+        kept = [int(i) for i in handle.last_stats.kept_indices[-1][0]] if handle is not None else None
+    finally:
+        if handle is not None:
+            handle.remove()
+    ids = result.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    return ids, kept, torch.log_softmax(result.scores[0][0].float(), dim=-1).tolist()

@@ -5,7 +5,9 @@ Per family: stock vLLM equals transformers; the pruned engine at keep 1.0 equals
 kept rows, greedy answers and first-step log-probabilities equal vtprune's transformers path (NeXT / OneVision
 with ``rounding="per_image"``: the base view and the tile grid keep their own shares; Qwen3-VL at its pre-LLM
 stage, DeepStack rows dropped with their tokens, original M-RoPE positions), with chunked prefill and prefix
-caching on; images of several aspect ratios (different tile grids), two images per prompt.
+caching on; images of several aspect ratios (different tile grids), two images per prompt. Qwen3-VL video (a
+timestamp before every frame): each frame keeps its share, as the transformers path with ``rounding="per_image"``;
+an image and a video in one prompt.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ def samples(items):
     return chosen + [([chosen[1][0], chosen[2][0]], chosen[0][1])]
 
 
-def engine(folder: str, pruned: str | None = None, **options):
+def engine(folder: str, pruned: str | None = None, video: int = 0, **options):
     from vllm import LLM
 
     settings = dict(enforce_eager=True, dtype="float32", max_model_len=1024, seed=0, max_num_seqs=4,
-                    limit_mm_per_prompt={"image": 2, "video": 0})
+                    limit_mm_per_prompt={"image": 2, "video": video})
     if pruned:
         settings["hf_overrides"] = {"architectures": [pruned], "vtprune": {"method": "divprune", "keep": 0.25}}
     settings.update(options)
@@ -99,7 +101,7 @@ def stock(family, samples, expected):
 def pruned(family, stock):
     name, folder = family
     chunk = FAMILIES[name][2]
-    llm = engine(folder, FAMILIES[name][0], enable_prefix_caching=True, enable_chunked_prefill=True,
+    llm = engine(folder, FAMILIES[name][0], video=int(name == "qwen3_vl"), enable_prefix_caching=True, enable_chunked_prefill=True,
                  max_num_batched_tokens=chunk, max_num_seqs=chunk, block_size=32)
     yield llm
     shutdown(llm)
@@ -150,19 +152,66 @@ def test_prefix_cache_serves_each_keep_its_own_rows(pruned, samples, stock):
     assert again["cached"] >= 32  # the repeat hit the prefix cache (its own keep's blocks)
 
 
-@pytest.mark.parametrize(("name", "method", "limits", "message"), [
-    ("qwen3_vl", "divprune", {"image": 1, "video": 1}, "Qwen3-VL video is not pruned by the vLLM plugin yet"),
-    ("llava_next", "temporal", None, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
-    ("llava_onevision", "visionzip", None, "inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only"),
-    ("llava_next", "vflowopt", None, "inside vLLM's tower for LLaVA-1.5 only"),
+def run_media(llm, question: str, frames, image=None, keep: float = 0.25) -> tuple[list[int], dict, int]:
+    """New token ids, the first step's ``{token: log-probability}`` and the prompt length of an (optional) image
+    and a video (the prompt of :func:`reference.media_prompt`)."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    video = (np.stack([np.asarray(f) for f in frames]), dict(reference.video_metadata(len(frames)),
+                                                             do_sample_frames=False))
+    data = {"video": video} | ({"image": image} if image is not None else {})
+    request = {"prompt": reference.media_prompt(llm.get_tokenizer(), question, image is not None),
+               "multi_modal_data": data, "mm_processor_kwargs": {"vtprune_keep": keep}}
+    out, = llm.generate([request], SamplingParams(max_tokens=4, temperature=0.0, logprobs=5), use_tqdm=False)
+    return list(out.outputs[0].token_ids), {t: p.logprob for t, p in out.outputs[0].logprobs[0].items()}, len(
+        out.prompt_token_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl"], indirect=True)
+def test_qwen3_video_equals_transformers_path(family, pruned, clip, samples):
+    """Each frame (temporal patch) keeps its own quarter between its timestamps; keep 1.0 is the unpruned model;
+    an image before the video keeps its own share and the video's rows still get their frames' positions."""
+    from vtprune.vllm.common import clear_selections, recent_selections
+
+    frames, question = clip
+    folder = family[1]
+    image = samples[1][0].resize((150, 120))  # an image no earlier request encoded (encoder cache)
+    model, processor = reference.load_folder(folder)
+    full = reference.media_answers(model, processor, question, frames)
+    want = reference.media_answers(model, processor, question, frames, method="divprune", keep=0.25,
+                                   rounding="per_image")
+    ids, top, length = run_media(pruned, question, frames, keep=1.0)
+    assert ids == full[0] and close(top, full[2])
+    pruned.apply_model(clear_selections)
+    ids, top, short = run_media(pruned, question, frames)
+    assert ids == want[0] and close(top, want[2])
+    assert pruned.apply_model(recent_selections)[0] == [want[1]]
+    assert length - short == 64 - 16  # 4 frames of 4 x 4 tokens keep 4 each; every timestamp stays
+    both = reference.media_answers(model, processor, question, frames, image, method="divprune", keep=0.25,
+                                   rounding="per_image")
+    ids, top, _ = run_media(pruned, question, frames, image)
+    assert ids == both[0] and close(top, both[2])
+
+
+VIDEO = {"limit_mm_per_prompt": {"image": 1, "video": 1}}
+
+
+@pytest.mark.parametrize(("name", "method", "options", "message"), [
+    ("qwen3_vl", "temporal", VIDEO, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
+    ("qwen3_vl", "divprune", VIDEO | {"video_pruning_rate": 0.5}, "turns on vLLM's own video pruning (EVS)"),
+    ("llava_next", "temporal", {}, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
+    ("llava_onevision", "visionzip", {}, "inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only"),
+    ("llava_next", "vflowopt", {}, "inside vLLM's tower for LLaVA-1.5 only"),
 ])
-def test_unsupported_combinations_refused_at_start(name, method, limits, message, tmp_path, capfd):
+def test_unsupported_combinations_refused_at_start(name, method, options, message, tmp_path, capfd):
     from tiny_folders import BUILDERS
     from vllm import LLM
 
     folder = str(BUILDERS[name](tmp_path))
+    settings = {"limit_mm_per_prompt": {"image": 1, "video": 0}} | options
     with pytest.raises(Exception) as error:
         LLM(folder, enforce_eager=True, dtype="float32", max_model_len=1024,
-            limit_mm_per_prompt=limits or {"image": 1, "video": 0},
-            hf_overrides={"architectures": [FAMILIES[name][0]], "vtprune": {"method": method, "keep": 0.25}})
+            hf_overrides={"architectures": [FAMILIES[name][0]], "vtprune": {"method": method, "keep": 0.25}},
+            **settings)
     assert message in str(error.value) + "".join(capfd.readouterr())

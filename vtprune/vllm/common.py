@@ -71,6 +71,11 @@ class PrunedProcessorMixin:
             raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
                              f"recomputes inside vLLM's tower for {TOWER_FAMILIES[method]} only; serve 'divprune' or "
                              "'random' here.")
+        rate = getattr(self.info.ctx.get_mm_config(), "video_pruning_rate", None)
+        if rate:
+            raise ValueError(f"vtprune: video_pruning_rate={rate} turns on vLLM's own video pruning (EVS) on a model "
+                             "vtprune already prunes; drop it, or serve method 'temporal' with count='evs' (EVS's "
+                             "count with vtprune's rule).")
         if method in ITEM_BUDGET and not self.frame_videos:
             raise ValueError(f"vtprune: method {method!r} prunes tokens repeated across video frames, which the "
                              "plugin does for Qwen2-VL / Qwen2.5-VL video only; serve 'divprune' or 'random' here.")

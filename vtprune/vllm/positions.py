@@ -8,7 +8,8 @@ give the same positions:
   (an item spans its original extent); every placeholder of an item gets the item's base position.
 * :func:`fill_chunk` (after the tower, per scheduled chunk): adds the kept rows' (t, h, w) offsets to the
   placeholders of the chunk. It locates rows by runs of media tokens, not by ``<|vision_start|>``, so a chunk
-  may end anywhere (vLLM's EVS helper fails on a chunk that ends right after ``<|vision_start|>``).
+  may end anywhere (vLLM's EVS helper fails on a chunk that ends right after ``<|vision_start|>``), and an
+  item may span several runs (a Qwen3-VL video: one run per frame, a timestamp between).
 """
 
 from __future__ import annotations
@@ -59,16 +60,24 @@ def fill_chunk(positions: torch.Tensor, media: torch.Tensor, offsets: Sequence[t
     """Positions ``[3, N]`` with the chunk's kept rows at ``base + (t, h, w)`` (a new tensor).
 
     media: ``[N]`` bool, the prompt's placeholder tokens; offsets: ``[r_i, 3]`` long per item slice of this
-    chunk, in prompt order (vLLM passes the slices of the items the chunk overlaps); the first slice starts at
-    the first placeholder at or after ``num_computed``, each next one at the start of the next run. An item's
-    base is the position of the token before its run, plus one.
+    chunk, in prompt order (vLLM passes the slices of the items the chunk overlaps). The rows fill the
+    placeholders at or after ``num_computed`` in order, run after run (an item may span several runs: a
+    Qwen3-VL video has one per frame). A run's base is the position of the token before it, plus one.
     """
     out = positions.clone()
-    runs = [(s, e) for s, e in media_runs(media) if e > num_computed]
-    for index, (rows, (start, end)) in enumerate(zip(offsets, runs)):
-        begin = max(start, num_computed) if index == 0 else start
-        if begin + rows.shape[0] > end:
-            raise ValueError(f"vtprune: {rows.shape[0]} kept rows do not fit the placeholder run {start}..{end}.")
+    rows = torch.cat([o.reshape(-1, 3) for o in offsets]) if len(offsets) else torch.zeros(0, 3, dtype=torch.long)
+    filled = 0
+    for start, end in media_runs(media):
+        if filled == rows.shape[0]:
+            break
+        if end <= num_computed:
+            continue
+        begin = max(start, num_computed)
+        take = min(end - begin, rows.shape[0] - filled)
         base = out[0, start - 1] + 1 if start > 0 else out.new_zeros(())
-        out[:, begin:begin + rows.shape[0]] = base + rows.T.to(out.device)
+        out[:, begin:begin + take] = base + rows[filled:filled + take].T.to(out.device)
+        filled += take
+    if filled < rows.shape[0]:
+        raise ValueError(f"vtprune: {rows.shape[0]} kept rows do not fit the prompt's placeholders after token "
+                         f"{num_computed} ({filled} do).")
     return out

@@ -124,9 +124,14 @@ class QwenPruningMixin(PrunedModelMixin):
                     values = rows[kept]
                 else:
                     kept, values = self._visionzip_item(rows, maps, keep, t)
-                offsets = grid_offsets((t, h // merge, w // merge), factor)[kept.cpu()]
+                offsets = self.item_offsets(modality, (t, h // merge, w // merge), factor)[kept.cpu()]
                 out.append(torch.cat([values, encode_offsets(offsets, rows.dtype).to(rows.device)], dim=1))
         return out
+
+    def item_offsets(self, modality: str, grid: tuple[int, int, int], factor: float) -> torch.Tensor:
+        """``[t*h*w, 3]`` (t, h, w) M-RoPE offsets of an item's rows from its base (merged ``grid``; ``factor``:
+        a video's temporal scale)."""
+        return grid_offsets(grid, factor)
 
     def selection_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """What the selection ranks of an item's rows ``[n, D]`` (all of them; Qwen3-VL: the embedding part)."""

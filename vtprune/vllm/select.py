@@ -125,6 +125,31 @@ def select_rows(method: str, embeddings: torch.Tensor, keep: float, frames: int 
     return torch.sort(torch.cat(picks)).values
 
 
+def truncate_runs(tokens: Sequence[int], token: int, keep: float) -> list[int]:
+    """``tokens`` with each run of ``token`` cut to its first ``keep_count(keep, run)``: a Qwen3-VL video
+    placeholder (a timestamp, ``<|vision_start|>``, one frame's tokens, ``<|vision_end|>``, per frame) that
+    keeps each frame's share."""
+    out: list[int] = []
+    run = 0
+    for value in list(tokens) + [None]:
+        if value == token:
+            run += 1
+            continue
+        out.extend([token] * keep_count(keep, run))
+        run = 0
+        if value is not None:
+            out.append(value)
+    return out
+
+
+def frame_offsets(grid: tuple[int, int, int]) -> torch.Tensor:
+    """``[t*h*w, 3]`` long offsets of a Qwen3-VL video of ``t`` frames: every frame restarts at ``(0, y, x)``
+    (a timestamp between frames carries the time, each frame is numbered as a one-frame image)."""
+    offsets = grid_offsets(grid)
+    offsets[:, 0] = 0
+    return offsets
+
+
 def top_rows(values: torch.Tensor, keep: float) -> torch.Tensor:
     """Sorted indices ``[keep_count(keep, n)]`` of the highest of ``values`` ``[n]`` (ties: the earlier row), as
     vtprune's engine keeps a pre-LLM stage's top scores (VFlowOpt's importance without recycling)."""

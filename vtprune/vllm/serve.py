@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   epilog=EPILOG)
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="embedded:llava, embedded:qwen2_vl, a model folder or a Hub id (LLaVA-1.5, LLaVA-NeXT, "
-                            "LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL images)")
+                            "LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
     serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video), "
                        "visionzip (LLaVA-1.5, Qwen2-VL) or vflowopt (LLaVA-1.5; its pre-LLM stage, no recycling): "
                        "the methods vLLM allows")
@@ -98,17 +98,8 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
                         "\"vtprune\": {...}}' (docs/serving.md).")
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--hf-overrides", json.dumps(overrides), "--host", args.host, "--port", str(args.port),
-            *embedded_defaults(args.model, args.passthrough), *family_defaults(stock, args.passthrough),
+            *embedded_defaults(args.model, args.passthrough),
             *args.passthrough]
-
-
-def family_defaults(architecture: str, given: list[str]) -> list[str]:
-    """vLLM options a family needs with the plugin, unless the user gave them: Qwen3-VL serves images only."""
-    if architecture.removeprefix("Vtprune") != "Qwen3VLForConditionalGeneration":
-        return []
-    if any(arg == "--limit-mm-per-prompt" or arg.startswith("--limit-mm-per-prompt=") for arg in given):
-        return []
-    return ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0})]
 
 
 def embedded_defaults(model: str, given: list[str]) -> list[str]:
