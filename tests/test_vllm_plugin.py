@@ -373,3 +373,7 @@ def test_serve_qwen3_vl_serves_images_and_video(cli, tmp_path):
     code, out, _ = cli("serve", str(tmp_path), "--dry-run")
     assert code == 0 and "VtpruneQwen3VLForConditionalGeneration" in out
     assert "--limit-mm-per-prompt" not in out  # vLLM's own limits: images and video
+    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--method", "vflowopt")  # scores images only
+    assert code == 0 and '--limit-mm-per-prompt {"image": 4, "video": 0}' in out
+    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--method", "vflowopt", "--limit-mm-per-prompt", '{"image": 1}')
+    assert out.count("--limit-mm-per-prompt") == 1

@@ -201,8 +201,8 @@ VIDEO = {"limit_mm_per_prompt": {"image": 1, "video": 1}}
     ("qwen3_vl", "temporal", VIDEO, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
     ("qwen3_vl", "divprune", VIDEO | {"video_pruning_rate": 0.5}, "turns on vLLM's own video pruning (EVS)"),
     ("llava_next", "temporal", {}, "which the plugin does for Qwen2-VL / Qwen2.5-VL video only"),
-    ("llava_onevision", "visionzip", {}, "inside vLLM's tower for LLaVA-1.5 and Qwen2-VL only"),
-    ("llava_next", "vflowopt", {}, "inside vLLM's tower for LLaVA-1.5 only"),
+    ("llava_onevision", "visionzip", {}, "inside vLLM's tower for LLaVA-1.5 and Qwen-VL only"),
+    ("llava_next", "vflowopt", {}, "inside vLLM's tower for LLaVA-1.5 and Qwen-VL only"),
 ])
 def test_unsupported_combinations_refused_at_start(name, method, options, message, tmp_path, capfd):
     from tiny_folders import BUILDERS

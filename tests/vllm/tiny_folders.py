@@ -147,4 +147,29 @@ def qwen3_vl_folder(target: Path, seed: int = 0) -> Path:
     return target
 
 
-BUILDERS = {"llava_next": llava_next_folder, "llava_onevision": llava_onevision_folder, "qwen3_vl": qwen3_vl_folder}
+def qwen2_5_vl_folder(target: Path, seed: int = 0) -> Path:
+    """Qwen2.5-VL: 2 ViT blocks (14 px patches, 2 x 2 merge), block 0 full attention and block 1 in windows of
+    2 x 2 merged tokens (56 px), so a 112 px image's blocks see its tokens in window order, not token order."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    base = _copy_tokenizer("qwen2_vl", target)
+    text = dict(TEXT, vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1,
+                eos_token_id=base["eos_token_id"],
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 8, 8]})
+    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=192, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0],
+                  hidden_act="silu", in_channels=3)
+    ids = {k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    _save(Qwen2_5_VLForConditionalGeneration, config, target, seed)
+    preprocessor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "merge_size": 2,
+                    "temporal_patch_size": 2, "size": {"shortest_edge": 3136, "longest_edge": 65536},
+                    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+                    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True, "resample": 3,
+                    "rescale_factor": 1 / 255, "processor_class": "Qwen2_5_VLProcessor"}
+    (target / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    return target
+
+
+BUILDERS = {"llava_next": llava_next_folder, "llava_onevision": llava_onevision_folder, "qwen3_vl": qwen3_vl_folder,
+            "qwen2_5_vl": qwen2_5_vl_folder}

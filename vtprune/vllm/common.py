@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from vtprune.vllm.select import ITEM_BUDGET, kept_count, select_rows
-from vtprune.vllm.settings import REQUEST_KEY, TOWER_FAMILIES, TOWER_METHODS, VllmPruning, check_vllm_version
+from vtprune.vllm.settings import (
+    IMAGE_METHODS,
+    REQUEST_KEY,
+    TOWER_FAMILIES,
+    TOWER_METHODS,
+    VllmPruning,
+    check_vllm_version,
+)
 
 PPM = 1_000_000
 
@@ -71,6 +78,11 @@ class PrunedProcessorMixin:
             raise ValueError(f"vtprune: method {method!r} reads the vision tower's attention, which the plugin "
                              f"recomputes inside vLLM's tower for {TOWER_FAMILIES[method]} only; serve 'divprune' or "
                              "'random' here.")
+        videos = self.info.ctx.get_mm_config().get_limit_per_prompt("video") if "video" in self.modalities else 0
+        if method in IMAGE_METHODS and videos > 0:
+            raise ValueError(f"vtprune: method {method!r} scores images only (as vtprune's transformers path); start "
+                             "vLLM with limit_mm_per_prompt={'video': 0} (vtprune serve does), or serve 'divprune' "
+                             "for video.")
         rate = getattr(self.info.ctx.get_mm_config(), "video_pruning_rate", None)
         if rate:
             raise ValueError(f"vtprune: video_pruning_rate={rate} turns on vLLM's own video pruning (EVS) on a model "
@@ -143,6 +155,13 @@ class PrunedModelMixin:
     def vtprune_init(self, vllm_config: Any, needs_runner: bool = False) -> None:
         check_vllm_version()
         self.vtprune = VllmPruning.from_config(vllm_config.model_config.hf_config)
+        if self.vtprune.method in TOWER_METHODS and vllm_config.parallel_config.tensor_parallel_size > 1:
+            raise ValueError(f"vtprune: {self.vtprune.method} in vLLM reads the tower's attention from one rank's "
+                             "heads; serve it with tensor_parallel_size=1 (or serve 'divprune' with tensor "
+                             "parallelism).")
+        if self.vtprune.method in TOWER_METHODS and getattr(vllm_config.compilation_config, "compile_mm_encoder", False):
+            raise ValueError(f"vtprune: {self.vtprune.method} reads the tower's attention through a hook, which a "
+                             "compiled vision encoder skips; leave compile_mm_encoder off (or serve 'divprune').")
         runner = find_runner() if needs_runner else None
         if needs_runner and runner is None:
             raise RuntimeError("vtprune: vLLM's model runner was not found while the model was built, so kept "

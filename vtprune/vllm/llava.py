@@ -93,10 +93,6 @@ class VtpruneLlavaForConditionalGeneration(PrunedModelMixin, LlavaForConditional
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vtprune_init(vllm_config)
-        if self.vtprune.method in TOWER_METHODS and vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError(f"vtprune: {self.vtprune.method} in vLLM reads the tower's attention from one rank's "
-                             "heads; serve it with tensor_parallel_size=1 (or serve 'divprune' with tensor "
-                             "parallelism).")
 
     def embed_multimodal(self, **kwargs: object):
         keeps = kwargs.pop(keep_field("image"), None)

@@ -5,9 +5,10 @@ Workers: :meth:`embed_multimodal` returns each item's kept rows with their (t, h
 extra columns (high and low parts, exact in bf16); :meth:`get_mrope_input_positions` numbers the text as the
 unpruned prompt does; :meth:`recompute_mrope_positions` (vLLM's ``SupportsMultiModalPruning`` hook, which the
 runner calls once we switch it on) strips the columns and writes the positions of the chunk's kept rows.
-``visionzip`` (Qwen2-VL): a pre-hook on the last ViT block holds its input during the tower calls;
-:func:`qwen_block_maps` recomputes that block's attention from its fused ``qkv`` and rotary embedding, and every
-image (every temporal patch of a video) keeps :func:`vtprune.vllm.select.visionzip_rows` of its rows.
+``visionzip`` / ``vflowopt`` (Qwen2-VL, Qwen3-VL): a pre-hook on the last ViT block's attention holds its input
+during the tower calls; :func:`qwen_block_maps` / :func:`qwen_block_relevance` recompute that block's attention
+from its fused ``qkv`` and rotary embedding, and every image (every temporal patch of a video) keeps
+:func:`vtprune.vllm.select.visionzip_rows` of its rows (VFlowOpt: :func:`vtprune.vllm.select.top_rows`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field, modality_order
 from vtprune.vllm.positions import fill_chunk, prompt_positions
-from vtprune.vllm.select import frame_sizes, grid_extent, grid_offsets, visionzip_rows
+from vtprune.vllm.select import frame_sizes, grid_extent, grid_offsets, top_rows, visionzip_rows
+from vtprune.vllm.settings import TOWER_METHODS
 
 SPLIT = 128  # offsets travel as (v // SPLIT, v % SPLIT): both parts are exact in bf16 below 32,768 * SPLIT
 EXTRA = 6
@@ -49,28 +51,60 @@ def decode_offsets(columns: torch.Tensor) -> torch.Tensor:
     return values[:, :3] * SPLIT + values[:, 3:]
 
 
-def qwen_block_maps(block: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _block_qk(attention: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Queries and keys ``[S, H, d]`` of vLLM's Qwen-VL ViT attention (``Qwen2VisionAttention``, or Qwen3-VL's
+    ``Qwen2_5_VisionAttention``) for its input ``x`` ``[S, 1, D]`` (the block's normed input), after the rotary
+    embedding (this rank's heads), and the attention scale."""
+    qkv, _ = attention.qkv(x)
+    if hasattr(attention, "split_qkv"):
+        query, key, _ = (part.transpose(0, 1) for part in attention.split_qkv(qkv))  # [1, S, H, d]
+    else:  # [S, 1, (3, H, d)] -> [1, S, H, d] each
+        heads, size = attention.num_attention_heads_per_partition, attention.hidden_size_per_attention_head
+        query, key, _ = qkv.reshape(qkv.shape[0], qkv.shape[1], 3, heads, size).transpose(0, 1).unbind(dim=2)
+    query, key = (part[0] for part in torch.chunk(attention.apply_rotary_emb(torch.cat([query, key]), cos, sin), 2))
+    return query, key, float(attention.hidden_size_per_attention_head) ** -0.5
+
+
+def _segments(bounds: torch.Tensor) -> list[tuple[int, int]]:
+    edges = [int(b) for b in bounds.tolist()]
+    return [(start, end) for start, end in zip(edges[:-1], edges[1:], strict=True) if end > start]
+
+
+def qwen_block_maps(attention: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     unit: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention received ``[S / unit]`` (fp32; mean over heads and queries within each ``cu_seqlens`` segment, summed
-    over each merger unit) and head-mean keys ``[S / unit, d]`` (mean over the unit) of vLLM's ``Qwen2VisionBlock``
-    for its input ``x`` ``[S, 1, D]``, with vtprune's :func:`~vtprune.methods.tower.received_attention` and
+    over each merger unit) and head-mean keys ``[S / unit, d]`` (mean over the unit) of a vLLM Qwen-VL ViT block's
+    attention for its input ``x`` ``[S, 1, D]``, with vtprune's :func:`~vtprune.methods.tower.received_attention` and
     :func:`~vtprune.methods.tower.merge_units` (this rank's heads)."""
     from vtprune.methods.tower import merge_units, received_attention, tower_rows
 
-    attention = block.attn
     with torch.no_grad():
-        qkv, _ = attention.qkv(block.norm1(x))
-        query, key, _ = (part.transpose(0, 1) for part in attention.split_qkv(qkv))  # [1, S, H, d]
-        query, key = (part[0] for part in torch.chunk(attention.apply_rotary_emb(torch.cat([query, key]), cos, sin),
-                                                        2))
-        scale = float(attention.hidden_size_per_attention_head) ** -0.5
+        query, key, scale = _block_qk(attention, x, cos, sin)
         values = torch.zeros(query.shape[0], dtype=torch.float32, device=query.device)
-        edges = [int(b) for b in bounds.tolist()]
-        for start, end in zip(edges[:-1], edges[1:], strict=True):
-            if end > start:
-                values[start:end] = received_attention(query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
-                                                       scale, rows=tower_rows("auto", end - start))
+        for start, end in _segments(bounds):
+            values[start:end] = received_attention(query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
+                                                   scale, rows=tower_rows("auto", end - start))
         return merge_units(values, key.float().mean(dim=1), unit, None)
+
+
+def qwen_block_relevance(attention: Any, x: torch.Tensor, bounds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         unit: int) -> tuple[torch.Tensor, None]:
+    """VFlowOpt's importance ``[S / unit]`` of a vLLM Qwen-VL ViT block's attention for its input ``x``
+    ``[S, 1, D]``: per
+    ``cu_seqlens`` segment (an image, a temporal patch) vtprune's
+    :func:`~vtprune.methods.qwen_vit.streamed_relevance` at the release's threshold scaled to the segment's
+    patches, then the mean over each merger unit (:func:`~vtprune.methods.qwen_vit.pool_groups`), as vtprune's
+    transformers path builds it (entropy weight 0, the released configurations)."""
+    from vtprune.methods.qwen_vit import pool_groups, streamed_relevance
+    from vtprune.methods.vflowopt import RELEASED_THRESHOLD, RELEASED_TOKENS
+
+    with torch.no_grad():
+        query, key, scale = _block_qk(attention, x, cos, sin)
+        parts = [streamed_relevance(query[start:end].transpose(0, 1).float(), key[start:end].transpose(0, 1).float(),
+                                    scale, RELEASED_THRESHOLD * (end - start) / RELEASED_TOKENS)
+                 for start, end in _segments(bounds)]
+        return pool_groups(torch.cat(parts), unit), None
 
 
 class QwenProcessorMixin(PrunedProcessorMixin):
@@ -84,11 +118,13 @@ class QwenProcessorMixin(PrunedProcessorMixin):
 class VtpruneQwen2VLProcessor(QwenProcessorMixin, Qwen2VLMultiModalProcessor):
     """Qwen2-VL's processor with ``kept_count`` placeholders per item."""
 
-    tower_methods = ("visionzip",)
+    tower_methods = ("visionzip", "vflowopt")
 
 
 class VtpruneQwen2_5_VLProcessor(QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor):
     """Qwen2.5-VL's processor with ``kept_count`` placeholders per item."""
+
+    tower_methods = ("visionzip", "vflowopt")
 
 
 class QwenPruningMixin(PrunedModelMixin):
@@ -99,8 +135,8 @@ class QwenPruningMixin(PrunedModelMixin):
         order = modality_order(kwargs)
         grids = {m: kwargs.get(f"{m}_grid_thw") for m in order}
         seconds = kwargs.get("second_per_grid_ts")
-        maps = None  # visionzip: [attention, keys, rows consumed so far] over the call's items
-        if self.vtprune.method == "visionzip":
+        maps = None  # tower methods: [attention or importance, keys or None, rows consumed so far] over the call
+        if self.vtprune.method in TOWER_METHODS:
             embeddings, maps = self._tower_maps(kwargs)
         else:
             embeddings = super().embed_multimodal(**kwargs)
@@ -122,6 +158,9 @@ class QwenPruningMixin(PrunedModelMixin):
                 if maps is None:
                     kept = self.vtprune_rows(self.selection_rows(rows), keep, frames=t)
                     values = rows[kept]
+                elif self.vtprune.method == "vflowopt":
+                    kept = self._vflowopt_item(rows, maps, keep)
+                    values = rows[kept]
                 else:
                     kept, values = self._visionzip_item(rows, maps, keep, t)
                 offsets = self.item_offsets(modality, (t, h // merge, w // merge), factor)[kept.cpu()]
@@ -138,38 +177,62 @@ class QwenPruningMixin(PrunedModelMixin):
         return rows
 
     def _tower_maps(self, kwargs: dict) -> tuple[Any, list]:
-        """The stock embeddings, run with a pre-hook on the last ViT block, and ``[attention [S'], keys [S', d], 0]``
-        over all items of the call (in the order the tower runs them, as the embeddings are)."""
-        block = self.visual.blocks[len(self.visual.blocks) - 1]
+        """The stock embeddings, run with a pre-hook on the last ViT block's attention (the blocks of Qwen2.5-VL /
+        Qwen3-VL are compile-wrapped, which skips hooks on the block itself), and ``[values [S'], keys [S', d] or
+        None, 0]`` over all items of the call (in the order the tower runs them, as the embeddings are)."""
+        full = list(getattr(self.visual, "fullatt_block_indexes", None) or [len(self.visual.blocks) - 1])
+        attention = self.visual.blocks[full[-1]].attn  # Qwen2.5-VL: the last full-attention block
         unit = self.config.vision_config.spatial_merge_size ** 2
-        parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        maps = qwen_block_relevance if self.vtprune.method == "vflowopt" else qwen_block_maps
 
         def grab(module: Any, args: tuple, hook_kwargs: dict) -> None:
             named = dict(zip(("x", "cu_seqlens", "rotary_pos_emb_cos", "rotary_pos_emb_sin"), args)) | hook_kwargs
-            parts.append(qwen_block_maps(module, named["x"], named["cu_seqlens"], named["rotary_pos_emb_cos"],
-                                         named["rotary_pos_emb_sin"], unit))
+            parts.append(maps(module, named["x"], named["cu_seqlens"], named["rotary_pos_emb_cos"],
+                              named["rotary_pos_emb_sin"], unit))
 
-        handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+        handle = attention.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             embeddings = super().embed_multimodal(**kwargs)
         finally:
             handle.remove()
         if len(embeddings) and not parts:
-            raise ValueError("vtprune: visionzip reads the vision tower's attention; this request passed image or "
-                             "video embeddings (no tower call). Pass pixels, or serve 'divprune'.")
+            raise ValueError(f"vtprune: {self.vtprune.method} reads the vision tower's attention; this request passed "
+                             "image or video embeddings (no tower call). Pass pixels, or serve 'divprune'.")
+        if hasattr(self.visual, "window_size"):  # Qwen2.5-VL's blocks see the merger units in window order
+            orders = [self._token_order(kwargs[f"{m}_grid_thw"]) for m in modality_order(kwargs)]
+            parts = [(v[o.to(v.device)], None if k is None else k[o.to(k.device)]) for (v, k), o in zip(parts, orders)]
         values = torch.cat([v for v, _ in parts]) if parts else torch.zeros(0)
-        keys = torch.cat([k for _, k in parts]) if parts else torch.zeros(0, 1)
+        keys = torch.cat([k for _, k in parts]) if parts and parts[0][1] is not None else None
         return embeddings, [values, keys, 0]
+
+    def _token_order(self, grid_thw: Any) -> torch.Tensor:
+        """Index ``[M]`` putting a tower call's merger units, in the window order its blocks see, back in token
+        order (Qwen2.5-VL; the tower's own window index)."""
+        grids = torch.as_tensor(grid_thw).reshape(-1, 3).tolist()
+        window_index = self.visual.prepare_encoder_metadata(grids, device=torch.device("cpu"))["window_index"]
+        return torch.argsort(window_index.cpu())
+
+    def _vflowopt_item(self, rows: torch.Tensor, maps: list, keep: float) -> torch.Tensor:
+        """VFlowOpt's pre-LLM stage on one image's rows ``[n, D]``: its ``keep_count(keep, n)`` most important rows."""
+        start = maps[2]
+        maps[2] = start + rows.shape[0]
+        kept = top_rows(maps[0][start:start + rows.shape[0]], keep).to(rows.device)
+        self.vtprune_selections.append(kept.tolist())
+        return kept
 
     def _visionzip_item(self, rows: torch.Tensor, maps: list, keep: float, frames: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """VisionZip on one item's rows ``[n, D]``, each temporal patch on its own: kept rows ``[k]``, values ``[k, D]``."""
         values, keys, start = maps[0], maps[1], maps[2]
         maps[2] = start + rows.shape[0]
+        ranked = self.selection_rows(rows)  # Qwen3-VL: the embedding merges, a target keeps its own DeepStack rows
         picks, kept_values, offset = [], [], 0
         for size in frame_sizes(rows.shape[0], frames):
             part = slice(start + offset, start + offset + size)
-            kept, chosen = visionzip_rows(values[part], keys[part], rows[offset:offset + size], keep)
+            kept, chosen = visionzip_rows(values[part], keys[part], ranked[offset:offset + size], keep)
+            if ranked.shape[1] < rows.shape[1]:
+                chosen = torch.cat([chosen, rows[offset:offset + size][kept, ranked.shape[1]:]], dim=1)
             picks.append(kept + offset)
             kept_values.append(chosen)
             offset += size
@@ -204,9 +267,6 @@ class VtpruneQwen2VLForConditionalGeneration(QwenPruningMixin, Qwen2VLForConditi
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vtprune_init(vllm_config, needs_runner=True)
-        if self.vtprune.method == "visionzip" and vllm_config.parallel_config.tensor_parallel_size > 1:
-            raise ValueError("vtprune: visionzip in vLLM reads the tower's attention from one rank's heads; serve it "
-                             "with tensor_parallel_size=1 (or serve 'divprune' with tensor parallelism).")
 
 
 @MULTIMODAL_REGISTRY.register_processor(VtpruneQwen2_5_VLProcessor, info=Qwen2_5_VLProcessingInfo,

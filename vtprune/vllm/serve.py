@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from vtprune.errors import UserError
-from vtprune.vllm.settings import VllmPruning, check_architecture
+from vtprune.vllm.settings import IMAGE_METHODS, VllmPruning, check_architecture
 
 DEFAULT_MODEL = "embedded:llava"
 EPILOG = """\
@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="embedded:llava, embedded:qwen2_vl, a model folder or a Hub id (LLaVA-1.5, LLaVA-NeXT, "
                             "LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
     serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video), "
-                       "visionzip (LLaVA-1.5, Qwen2-VL) or vflowopt (LLaVA-1.5; its pre-LLM stage, no recycling): "
-                       "the methods vLLM allows")
+                       "visionzip (LLaVA-1.5, Qwen-VL) or vflowopt (the same families, images; its pre-LLM "
+                       "stage, no recycling): the methods vLLM allows")
     serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept")
     serve.add_argument("--seed", type=int, default=0, help="seed of --method random")
     serve.add_argument("--host", default="127.0.0.1", help="address the server listens on")
@@ -98,8 +98,18 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
                         "\"vtprune\": {...}}' (docs/serving.md).")
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--hf-overrides", json.dumps(overrides), "--host", args.host, "--port", str(args.port),
-            *embedded_defaults(args.model, args.passthrough),
+            *embedded_defaults(args.model, args.passthrough), *method_defaults(settings.method, stock, args.passthrough),
             *args.passthrough]
+
+
+def method_defaults(method: str, architecture: str | None, given: list[str]) -> list[str]:
+    """vLLM options a method needs, unless the user gave them: an images-only method on a video family serves
+    images only."""
+    if method not in IMAGE_METHODS or not str(architecture).removeprefix("Vtprune").startswith("Qwen"):
+        return []
+    if any(arg == "--limit-mm-per-prompt" or arg.startswith("--limit-mm-per-prompt=") for arg in given):
+        return []
+    return ["--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0})]
 
 
 def embedded_defaults(model: str, given: list[str]) -> list[str]:

@@ -15,8 +15,10 @@ PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
 VLLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
 #: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
-TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen2-VL", "vflowopt": "LLaVA-1.5"}
+TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL"}
 TOWER_METHODS = tuple(TOWER_FAMILIES)
+#: Methods that score images only (vtprune's transformers path refuses their video too).
+IMAGE_METHODS = ("vflowopt",)
 #: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
 LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
 #: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
