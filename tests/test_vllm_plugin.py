@@ -102,9 +102,9 @@ def test_selection_equals_transformers_path(family, method):
     assert select_rows(method, embeddings, 0.25).tolist() == want
 
 
-def test_visionzip_rows_equal_transformers_path():
-    """The plugin's VisionZip on the tower maps and LLM inputs of one image keeps vtprune's rows (dominant +
-    contextual targets), and the merged contextual row is the mean of the rows merged into it."""
+def llava_tower_layer(method: str, **options) -> tuple:
+    """The embedded LLaVA's projector feature layer, its input ``[1, T, D]`` and the image's LLM-input rows
+    ``[n, D]`` during one forward of vtprune's transformers path with ``method``, and the rows that path kept."""
     import vtprune
     from vtprune.methods import vit
 
@@ -112,15 +112,26 @@ def test_visionzip_rows_equal_transformers_path():
     layer = vit.encoder_layers(model.model)[vit.feature_layer_index(model.model)]
     grabbed = []
     hook = layer.register_forward_pre_hook(lambda module, args: grabbed.append(args[0]))
-    handle = vtprune.wrap(model, "visionzip", keep=0.25, positions="compact")
+    handle = vtprune.wrap(model, method, **options)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+        want = handle.last_stats.kept_indices[-1][0]
+    finally:
+        handle.remove()
+        hook.remove()
+    return layer, grabbed[0], embeddings, want
+
+
+def test_visionzip_rows_equal_transformers_path():
+    """The plugin's VisionZip on the tower maps and LLM inputs of one image keeps vtprune's rows (dominant +
+    contextual targets), and the merged contextual row is the mean of the rows merged into it."""
+    from vtprune.methods import vit
+
+    layer, hidden, embeddings, want = llava_tower_layer("visionzip", keep=0.25, positions="compact")
     with torch.no_grad():
-        model(**inputs)
-    want = handle.last_stats.kept_indices[-1][0]
-    handle.remove()
-    hook.remove()
-    with torch.no_grad():
-        attention = vit.vit_attention(layer, grabbed[0])[0, 0, 1:]
-        keys = layer.self_attn.k_proj(layer.layer_norm1(grabbed[0]))[0, 1:]
+        attention = vit.vit_attention(layer, hidden)[0, 0, 1:]
+        keys = layer.self_attn.k_proj(layer.layer_norm1(hidden))[0, 1:]
     keys = keys.view(keys.shape[0], int(layer.self_attn.num_heads), -1).mean(dim=1)
     rows, values = visionzip_rows(attention, keys, embeddings, 0.25)
     assert rows.tolist() == want
@@ -162,22 +173,13 @@ def test_random_multi_image_rows_equal_transformers_path_per_image(model_type):
 def test_vflowopt_rows_equal_transformers_path():
     """The plugin's VFlowOpt (pre-LLM stage, no recycling) on the tower map of one image keeps the transformers
     path's rows: context relevance at the release's threshold scaled to the tower, CLS dropped, top keep."""
-    import vtprune
     from vtprune.methods import vit
     from vtprune.vllm.select import top_rows
 
-    model, inputs, embeddings = lm_inputs("llava")
-    layer = vit.encoder_layers(model.model)[vit.feature_layer_index(model.model)]
-    grabbed = []
-    hook = layer.register_forward_pre_hook(lambda module, args: grabbed.append(args[0]))
-    handle = vtprune.wrap(model, "vflowopt", schedule="0:0.25", recycle=False, positions="compact")
+    layer, hidden, embeddings, want = llava_tower_layer("vflowopt", schedule="0:0.25", recycle=False,
+                                                        positions="compact")
     with torch.no_grad():
-        model(**inputs)
-    want = handle.last_stats.kept_indices[-1][0]
-    handle.remove()
-    hook.remove()
-    with torch.no_grad():
-        maps = vit.vit_attention(layer, grabbed[0])
+        maps = vit.vit_attention(layer, hidden)
     relevance = vit.context_relevance(maps, 35.0 * maps.shape[-1] / 730)[0, 1:]  # T = 17 tokens, CLS dropped
     assert top_rows(relevance, 0.25).tolist() == want
     assert len(want) == kept_count(0.25, embeddings.shape[0], method="vflowopt") == 4

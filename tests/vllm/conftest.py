@@ -73,6 +73,15 @@ def generate(llm, items, keeps=None, max_tokens: int = 4, logprobs: int = 0):
     return rows
 
 
+def assert_same_answers(got, expected, tolerance: float = 1e-3) -> None:
+    """``got`` (:func:`generate` rows with ``logprobs``) gives the greedy ids of ``expected``
+    (``reference.answers(..., logprobs=True)`` rows) and its first step's log-probabilities within ``tolerance``
+    (float32: vLLM's CPU kernels against transformers' SDPA)."""
+    assert [row[0] for row in got] == [row[0] for row in expected]
+    for (*_, top), (_, _, reference_logprobs) in zip(got, expected, strict=True):
+        assert max(abs(value - reference_logprobs[token]) for token, value in top.items()) < tolerance
+
+
 def selections(llm, clear: bool = False) -> list[list[int]]:
     """The kept rows the plugin selected since the last clear (read from the worker)."""
     from vtprune.vllm.common import clear_selections, recent_selections
