@@ -20,6 +20,9 @@ Keys read here (everything else is a method option, e.g. ``alpha=0.5``, checked 
 ``batch_size``              requests per ``generate`` call (also lmms-eval's ``--batch_size``)
 ``max_pixels``/``min_pixels``  Qwen-VL image processor resolution bounds
 ``threads``                 ``torch.set_num_threads`` (CPU runs)
+``image_aspect_ratio``      ``original`` (default: the processor's resize and centre crop) or ``pad``: each
+                            image padded to a square with the image processor's mean colour first, as
+                            LLaVA-1.5's own evaluation does (``expand2square``); LLaVA-1.5 checkpoints only
 ``loglikelihood``           what ``loglikelihood`` returns: ``loss`` (default; the mean negative
                             log-likelihood per continuation token, lower is more likely, as lmms-eval's own
                             models return and its ``multiple_choice`` scoring expects: it takes the argmin)
@@ -34,8 +37,10 @@ from typing import Any
 
 LOAD_KEYS = ("pretrained", "attn_implementation", "dtype", "device")
 CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
-RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads", "loglikelihood")
+RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads", "loglikelihood",
+            "image_aspect_ratio")
 LOGLIKELIHOOD_KINDS = ("loss", "logprob")  # vtprune.eval.lmms_plugin.loglikelihood
+ASPECT_RATIOS = ("original", "pad")
 
 
 @dataclass
@@ -52,6 +57,7 @@ class PluginArgs:
     min_pixels: int | None = None
     threads: int | None = None
     loglikelihood: str = "loss"
+    image_aspect_ratio: str = "original"
 
     def describe(self) -> str:
         """One line for logs: method, keep and stages."""
@@ -94,6 +100,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
         min_pixels=_optional_int("min_pixels", run.get("min_pixels")),
         threads=_optional_int("threads", run.get("threads")),
         loglikelihood=_loglikelihood_kind(run.get("loglikelihood", "loss")),
+        image_aspect_ratio=_aspect_ratio(run.get("image_aspect_ratio", "original")),
     )
 
 
@@ -165,6 +172,14 @@ def _loglikelihood_kind(value: Any) -> str:
     if value not in LOGLIKELIHOOD_KINDS:
         raise ValueError(f"loglikelihood={value!r}: use loss (the default: mean negative log-likelihood per "
                          "continuation token, what lmms-eval's multiple_choice scoring expects) or logprob.")
+    return str(value)
+
+
+def _aspect_ratio(value: Any) -> str:
+    if value not in ASPECT_RATIOS:
+        raise ValueError(f"image_aspect_ratio={value!r}: use original (the processor's resize and centre crop, the "
+                         "default) or pad (pad each image to a square with the processor's mean colour, as "
+                         "LLaVA-1.5's own evaluation).")
     return str(value)
 
 

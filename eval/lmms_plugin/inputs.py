@@ -59,6 +59,29 @@ def prompt_text(processor: Any, model_type: str, question: str, n_images: int) -
     return prompt_for(model_type, question, images=n_images)
 
 
+def expand2square(image: Image.Image, background: tuple[int, ...]) -> Image.Image:
+    """``image`` centred on a square canvas of its longer side filled with ``background`` (LLaVA-1.5's
+    ``expand2square``: the offset on the short axis is ``(long - short) // 2``); a square image is returned as is."""
+    width, height = image.size
+    if width == height:
+        return image
+    side = max(width, height)
+    canvas = Image.new(image.mode, (side, side), background)
+    canvas.paste(image, ((side - width) // 2, (side - height) // 2))
+    return canvas
+
+
+def pad_to_square(processor: Any, images: list[Image.Image]) -> list[Image.Image]:
+    """``images`` padded to squares with the image processor's mean colour (``int(255 * mean)`` per channel),
+    as LLaVA-1.5's evaluation prepares them (``process_images`` with ``image_aspect_ratio="pad"``)."""
+    image_processor = getattr(processor, "image_processor", processor)
+    mean = getattr(image_processor, "image_mean", None)
+    if mean is None:
+        raise ValueError(f"{type(image_processor).__name__} has no image_mean to pad with; use image_aspect_ratio=original.")
+    background = tuple(int(value * 255) for value in mean)
+    return [expand2square(image, background) for image in images]
+
+
 def encode(processor: Any, texts: list[str], images: list[Image.Image]) -> dict:
     """Left-padded processor outputs for ``texts`` (their placeholders consume ``images`` in order)."""
     tokenizer = getattr(processor, "tokenizer", None)

@@ -28,6 +28,7 @@ from vtprune.eval.lmms_plugin.inputs import (
     encode,
     flatten_visuals,
     generation_options,
+    pad_to_square,
     prompt_text,
 )
 from vtprune.eval.lmms_plugin.stats import RunStats, log_run_stats
@@ -97,6 +98,9 @@ class VTPruneModel(lmms):
                 f"--model {self.model_id} takes {', '.join(self.families)} checkpoints, but pretrained={spec!r} "
                 f"is a {model_type!r} model{hint}."
             )
+        if self.args.image_aspect_ratio == "pad" and model_type != "llava":
+            raise ValueError(f"image_aspect_ratio=pad is LLaVA-1.5's preprocessing; pretrained={spec!r} is a "
+                             f"{model_type!r} model, which prepares its images itself: drop it from --model_args.")
 
     def _set_pixels(self, processor: Any) -> None:
         if self.args.max_pixels is None and self.args.min_pixels is None:
@@ -134,9 +138,17 @@ class VTPruneModel(lmms):
     def _inputs(self, questions: list[str], images: list[list]) -> dict:
         model_type = self.model.config.model_type
         texts = [prompt_text(self.processor, model_type, q, len(imgs)) for q, imgs in zip(questions, images, strict=True)]
-        flat = [image for imgs in images for image in imgs]
+        flat = self._prepared([image for imgs in images for image in imgs])
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                 for k, v in encode(self.processor, texts, flat).items()}
+
+    def _prepared(self, images: list) -> list:
+        """The images as the processor gets them: padded to squares under ``image_aspect_ratio=pad`` (their
+        original sizes go to the handle: attention debiasing's padding mask reads them)."""
+        if self.args.image_aspect_ratio != "pad":
+            return images
+        self.handle.set_image_sizes([(image.height, image.width) for image in images])
+        return pad_to_square(self.processor, images)
 
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult | str]:
         """Batched greedy (or sampled, if the task asks) generation with pruning; stats logged at the end."""
@@ -217,7 +229,7 @@ class VTPruneModel(lmms):
         prompt = self._inputs([question], [images])
         full_text = prompt_text(self.processor, self.model.config.model_type, question, len(images)) + continuation
         full = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                for k, v in encode(self.processor, [full_text], images).items()}
+                for k, v in encode(self.processor, [full_text], self._prepared(images)).items()}
         n_cont = full["input_ids"].shape[1] - prompt["input_ids"].shape[1]
         if n_cont <= 0:
             raise ValueError(f"continuation {continuation!r} adds no tokens to the prompt of doc {doc_id} of {task}.")

@@ -8,17 +8,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vtprune.eval.lmms_plugin.paper_tasks import POPE_TASK, TEXTVQA_OCR_TASK
+
 PAPERS_CSV = Path(__file__).with_name("papers.csv")
 DRY_TASK = "vtprune_shapes"
+MMBENCH_TASKS = {"judge": "mmbench_en_dev", "static": "mmbench_en_dev_static"}
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """An lmms-eval task and how its reported number is formed: ``scale * sum(metrics)``."""
+    """An lmms-eval task and how its reported number is formed: ``scale * sum(metrics)``.
+
+    ``lmms_metrics``: lmms-eval's own number for the same answers where the papers score differently (POPE),
+    shown beside the papers' way in the table (same scale).
+    """
 
     task: str
     metrics: tuple[str, ...]
     scale: float = 100.0
+    lmms_metrics: tuple[str, ...] = ()
 
 
 BENCHMARKS = {
@@ -26,9 +34,11 @@ BENCHMARKS = {
     "MMB": Benchmark("mmbench_en_dev", ("gpt_eval_score",), 1.0),  # lmms-eval already reports percent
     "MME": Benchmark("mme", ("mme_perception_score", "mme_cognition_score"), 1.0),  # perception + cognition
     "MME-P": Benchmark("mme", ("mme_perception_score",), 1.0),
-    "POPE": Benchmark("pope", ("pope_f1_score",)),
+    "MME-C": Benchmark("mme", ("mme_cognition_score",), 1.0),
+    "MMMU": Benchmark("mmmu_val", ("mmmu_acc",)),
+    "POPE": Benchmark(POPE_TASK, ("pope_f1_llava",), lmms_metrics=("pope_f1_score",)),
     "SQA-IMG": Benchmark("scienceqa_img", ("exact_match",)),
-    "TextVQA": Benchmark("textvqa_val", ("exact_match",)),
+    "TextVQA": Benchmark(TEXTVQA_OCR_TASK, ("exact_match",)),
 }
 # A paper's relative score: the mean over these benchmarks of pruned / unpruned (same model), in percent.
 RELATIVE = {"REL5": ("GQA", "MMB", "MME", "POPE", "TextVQA")}
@@ -36,26 +46,42 @@ RELATIVE = {"REL5": ("GQA", "MMB", "MME", "POPE", "TextVQA")}
 
 @dataclass(frozen=True)
 class Model:
-    """A checkpoint, its lmms-eval model, its model arguments, and the embedded model of the dry run."""
+    """A checkpoint, its lmms-eval model, its model arguments, its geometry and its stand-in of the dry run.
+
+    ``protocol``: model arguments that reproduce the papers' preprocessing (also applied in the dry run);
+    ``tasks``: benchmark -> lmms-eval task where this model's papers used another task variant;
+    ``visual_tokens`` / ``layers``: visual tokens per image and decoder layers (PyramidDrop average budgets).
+    """
 
     pretrained: str
     lmms_model: str
     args: str
     dry_pretrained: str
+    protocol: str = ""
+    tasks: tuple[tuple[str, str], ...] = ()
+    visual_tokens: int = 576
+    layers: int = 32
 
 
 MODELS = {
     "llava-1.5-7b": Model("llava-hf/llava-1.5-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
-                          "embedded:llava"),
+                          "embedded:llava", protocol="image_aspect_ratio=pad"),
+    "llava-next-7b": Model("llava-hf/llava-v1.6-vicuna-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
+                           "tiny:llava_next", visual_tokens=2880),
     "qwen2.5-vl-7b": Model("Qwen/Qwen2.5-VL-7B-Instruct", "vtprune_qwen_vl",
                            "dtype=bfloat16,attn_implementation=sdpa,min_pixels=200704,max_pixels=1605632",
-                           "embedded:qwen2_vl"),
+                           "embedded:qwen2_vl", tasks=(("TextVQA", "textvqa_val"),), layers=28),
 }
 
 
 @dataclass(frozen=True)
 class PaperRow:
-    """One number of one paper (``value`` None: not transcribed, see ``note``; ``keep`` None: not run)."""
+    """One number of one paper (``value`` None: not transcribed, see ``note``; ``keep`` None: not run).
+
+    ``options``: how the paper ran the method beyond ``keep``, ``;``-separated: ``layer=K`` (the pruning layer)
+    or ``budget=average`` (``keep`` is the visual tokens per decoder layer averaged over the layers, as
+    PyramidDrop's re-runs count them, not the last stage's share).
+    """
 
     paper: str
     model: str
@@ -66,19 +92,35 @@ class PaperRow:
     value: float | None
     source: str
     note: str
+    options: str = ""
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One lmms-eval run: a model pruned by ``method`` at ``keep`` (``none`` at 1 is the unpruned reference)."""
+    """One lmms-eval run: a model pruned by ``method`` at ``keep`` (``none`` at 1 is the unpruned reference),
+    with the row's ``options`` (see :class:`PaperRow`)."""
 
     model: str
     method: str
     keep: float
+    options: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.method}-{self.keep:g}"
+        suffix = "".join(f"-{part.replace('=', '')}" for part in self.options.split(";") if part)
+        return f"{self.model}/{self.method}-{self.keep:g}{suffix}"
+
+
+def row_setting(row: PaperRow) -> Setting | None:
+    """The run that measures ``row`` (None: the row is not run)."""
+    return None if row.keep is None else Setting(row.model, row.method, row.keep, row.options)
+
+
+def benchmark_task(name: str, model: str, mmbench: str = "judge") -> str:
+    """The lmms-eval task of benchmark ``name`` for ``model`` (``mmbench``: ``judge`` or ``static`` scoring)."""
+    if name == "MMB":
+        return MMBENCH_TASKS[mmbench]
+    return dict(MODELS[model].tasks).get(name, BENCHMARKS[name].task)
 
 
 def load_papers(path: Path = PAPERS_CSV) -> list[PaperRow]:
@@ -90,14 +132,24 @@ def load_papers(path: Path = PAPERS_CSV) -> list[PaperRow]:
                 raise ValueError(f"{path.name}:{line}: unknown model {row['model']!r} or benchmark {row['benchmark']!r}")
             rows.append(PaperRow(row["paper"], row["model"], row["method"], float(row["keep"]) if row["keep"] else None,
                                  row["tokens"], row["benchmark"], float(row["value"]) if row["value"] else None,
-                                 row["source"], row["note"]))
+                                 row["source"], row["note"], row.get("options") or ""))
     return rows
 
 
-def metric(results: dict[str, Any], benchmark: str, dry_run: bool) -> float | None:
-    """A benchmark's number from a results file, on the papers' scale (the dry run: ``vtprune_shapes`` x 100)."""
+def metric(results: dict[str, Any], benchmark: str, dry_run: bool, model: str | None = None,
+           mmbench: str = "judge", lmms_way: bool = False) -> float | None:
+    """A benchmark's number from a results file, on the papers' scale (the dry run: ``vtprune_shapes`` x 100).
+
+    ``lmms_way``: lmms-eval's own metric where the papers score differently (None where they do not).
+    """
     spec = BENCHMARKS[benchmark]
-    task, metrics, scale = (DRY_TASK, ("exact_match",), 100.0) if dry_run else (spec.task, spec.metrics, spec.scale)
+    metrics = spec.lmms_metrics if lmms_way else spec.metrics
+    if not metrics:
+        return None
+    if dry_run:
+        task, metrics, scale = DRY_TASK, ("exact_match",), 100.0
+    else:
+        task, scale = (benchmark_task(benchmark, model, mmbench) if model else spec.task), spec.scale
     values = results.get("results", {}).get(task, {})
     found = [next((v for k, v in values.items() if k.split(",")[0] == name and isinstance(v, int | float)), None)
              for name in metrics]

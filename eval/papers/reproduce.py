@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -22,41 +23,54 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vtprune.eval.lmms_plugin.paper_tasks import write_paper_tasks
 from vtprune.eval.papers.data import (
     BENCHMARKS,
     DRY_TASK,
+    MMBENCH_TASKS,
     MODELS,
     PAPERS_CSV,
     RELATIVE,
     PaperRow,
     Setting,
+    benchmark_task,
     load_papers,
     metric,
+    row_setting,
 )
+from vtprune.eval.papers.protocols import method_args
 
 __all__ = ["BENCHMARKS", "MODELS", "RELATIVE", "PaperRow", "Setting", "load_papers", "main", "metric", "plan"]
 
-def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[str] | None = None
-         ) -> dict[Setting, list[str]]:
-    """The runs to do, each with its lmms-eval tasks; every model also runs unpruned on all of its tasks."""
+
+def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[str] | None = None,
+         mmbench: str = "judge") -> dict[Setting, list[str]]:
+    """The runs to do, each with its lmms-eval tasks; every model also runs unpruned on all of its tasks.
+
+    A row's run carries its options (``layer=3``, ``budget=average``): two rows of one method and keep that ran
+    differently are two runs. ``mmbench``: ``judge`` (``mmbench_en_dev``) or ``static`` (``mmbench_en_dev_static``).
+    """
     runs: dict[Setting, set[str]] = {}
     for row in rows:
-        if row.keep is None or (models and row.model not in models) or (methods and row.method not in methods + ["none"]):
+        setting = row_setting(row)
+        if setting is None or (models and row.model not in models) or (methods and row.method not in methods + ["none"]):
             continue
         names = RELATIVE.get(row.benchmark, (row.benchmark,))
-        runs.setdefault(Setting(row.model, row.method, row.keep), set()).update(BENCHMARKS[b].task for b in names)
+        runs.setdefault(setting, set()).update(benchmark_task(b, row.model, mmbench) for b in names)
     for model in {s.model for s in runs}:
         everything = set().union(*(tasks for s, tasks in runs.items() if s.model == model))
         runs.setdefault(Setting(model, "none", 1.0), set()).update(everything)
-    return {s: sorted(tasks) for s, tasks in sorted(runs.items(), key=lambda kv: (kv[0].model, kv[0].method != "none",
-                                                                                   kv[0].method, -kv[0].keep))}
+    return {s: sorted(tasks) for s, tasks in sorted(runs.items(), key=lambda kv: (
+        kv[0].model, kv[0].method != "none", kv[0].method, -kv[0].keep, kv[0].options))}
 
 
 def model_args(setting: Setting, dry_run: bool, batch_size: int, checkpoints: dict[str, str] | None = None) -> str:
     """``--model_args`` of a run (the dry run: the embedded model on CPU, one thread); ``checkpoints`` maps a
-    model key to a local folder that replaces its hub id (an offline GPU machine)."""
+    model key to a local folder that replaces its hub id (an offline GPU machine). The method's arguments come
+    from :func:`vtprune.eval.papers.protocols.method_args`, the model's preprocessing from its ``protocol``."""
     model = MODELS[setting.model]
-    common = f"method={setting.method},keep={setting.keep:g},batch_size={batch_size}"
+    method, _ = method_args(setting, dry_run)
+    common = ",".join(filter(None, [f"method={setting.method},{method},batch_size={batch_size}", model.protocol]))
     if dry_run:
         return f"pretrained={model.dry_pretrained},{common},device=cpu,threads=1"
     return f"pretrained={(checkpoints or {}).get(setting.model, model.pretrained)},{common},{model.args}"
@@ -108,11 +122,13 @@ def run_in_process(argv: list[str], out: Path, task_manager: Any) -> dict[str, A
 
 def execute(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[Setting, dict[str, Any]]:
     """Run (or reuse) every planned run; returns ``{setting: {"results": file, "wall_s": seconds}}``."""
-    include_path, task_manager = None, None
+    task_manager = None
     if args.dry_run:
         from vtprune.eval.lmms_plugin.prepare import prepare
 
         include_path = prepare(args.out / "tasks", n_images=max(1, (args.limit or 12) // 5 + 1))
+    else:
+        include_path = write_paper_tasks(args.out / "tasks")
     done: dict[Setting, dict[str, Any]] = {}
     for number, (setting, tasks) in enumerate(runs.items(), start=1):
         out = args.out / "runs" / setting.name
@@ -146,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="offline on CPU: embedded models and the local vtprune_shapes task (not comparable)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
-    parser.add_argument("--methods", default=None, help="comma list of vtprune methods (default: every method in "
-                        "the data file); the unpruned run of each model is always included")
+    parser.add_argument("--methods", default=None, help="comma list of the methods of the data file (default: all of "
+                        "them); the unpruned run of each model is always included")
     parser.add_argument("--out", type=Path, default=Path("runs/reproduce"), help="folder (default runs/reproduce)")
     parser.add_argument("--launcher", default=f"{sys.executable}",
                         help="what starts lmms-eval, before '-m lmms_eval' (default: this Python; eight GPUs: "
@@ -155,12 +171,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16, help="requests per generate() call (default 16)")
     parser.add_argument("--limit", type=int, default=None,
                         help="documents per task (default: all; the dry run: 12)")
-    parser.add_argument("--print-commands", action="store_true", help="print the lmms-eval commands and stop")
+    parser.add_argument("--mmbench", choices=("auto", *MMBENCH_TASKS), default="auto",
+                        help="MMBench scoring: judge (mmbench_en_dev, a GPT judge: OPENAI_API_KEY), static "
+                        "(mmbench_en_dev_static, lmms-eval's regex rule, no key), auto (default: judge when "
+                        "OPENAI_API_KEY is set, else static)")
+    parser.add_argument("--print-commands", action="store_true",
+                        help="write the task variants into OUT/tasks, print the lmms-eval commands and stop")
     parser.add_argument("--papers", type=Path, default=PAPERS_CSV, help="the papers' numbers (CSV)")
     parser.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=FOLDER",
                         help="a local copy of a model's checkpoint instead of its hub id, e.g. "
                         "llava-1.5-7b=/data/llava-1.5-7b-hf (repeatable)")
     return parser
+
+
+def _choice(option: str, given: str | None, valid: list[str]) -> list[str] | None:
+    """``given``'s comma list, or stop with one line naming the unknown values and the valid ones."""
+    if not given:
+        return None
+    values = [value.strip() for value in given.split(",") if value.strip()]
+    unknown = [value for value in values if value not in valid]
+    if unknown or not values:
+        raise SystemExit(f"vtprune bench reproduce: error: unknown {option} {', '.join(unknown) or repr(given)}; "
+                         f"choose from {', '.join(valid)}.")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,27 +211,28 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(folder, "config.json").is_file():
             parser.error(f"--checkpoint {item!r}: {folder} holds no config.json; give a saved checkpoint folder.")
         args.checkpoints[key] = folder
+    if args.mmbench == "auto":
+        args.mmbench = "judge" if os.environ.get("OPENAI_API_KEY") else "static"
     rows = load_papers(args.papers)
-    models = args.models.split(",") if args.models else None
-    unknown = sorted(set(models or []) - set(MODELS))
-    if unknown:
-        parser.error(f"unknown --models {', '.join(unknown)}; choose from {', '.join(MODELS)}.")
-    runs = plan(rows, models, args.methods.split(",") if args.methods else None)
+    models = _choice("--models", args.models, list(MODELS))
+    methods = _choice("--methods", args.methods, sorted({r.method for r in rows if r.keep is not None} - {"none"}))
+    runs = plan(rows, models, methods, args.mmbench)
     if not runs:
         parser.error("nothing to run: no row of the data file matches --models / --methods.")
     if args.print_commands:
+        include_path = None if args.dry_run else write_paper_tasks(args.out / "tasks")
         for setting, tasks in runs.items():
             out = args.out / "runs" / setting.name
             print(shlex.join([*shlex.split(args.launcher), "-m", "lmms_eval",
-                              *lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, None,
+                              *lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, include_path,
                                          args.checkpoints)]))
         return 0
     from vtprune.eval.papers import table as reproduce_table
 
     done = execute(runs, args)
-    lines = reproduce_table.table([r for r in rows if not models or r.model in models], done, args.dry_run)
-    path = reproduce_table.write(lines, args.out, reproduce_table.conditions(args.dry_run, args.batch_size, args.limit,
-                                                                             args.launcher), args.dry_run)
+    lines = reproduce_table.table([r for r in rows if not models or r.model in models], done, args.dry_run, args.mmbench)
+    conditions = reproduce_table.conditions(args.dry_run, args.batch_size, args.limit, args.launcher, args.mmbench)
+    path = reproduce_table.write(lines, args.out, conditions, args.dry_run)
     print(path.read_text())
     print(f"[reproduce] wrote {path} and {path.with_suffix('.csv')}")
     return 0

@@ -28,7 +28,7 @@ from vtprune.methods import vit
 from vtprune.methods.base import Capture
 from vtprune.scoring import ScoreContext
 
-FAST_PATCHES = 6144  # above this many patches per image / frame, queries="auto" samples the queries
+FAST_PATCHES = 6144  # above this many patches per image / frame, queries="auto" samples the queries on a CPU
 FAST_ROWS = 1024  # queries averaged on the fast path (evenly spaced)
 
 
@@ -103,10 +103,13 @@ def spaced_rows(n: int, rows: int) -> torch.Tensor:
     return torch.linspace(0, n - 1, max(rows, 1)).round().long()
 
 
-def tower_rows(queries: str | int, n: int) -> int | None:
+def tower_rows(queries: str | int, n: int, device: torch.device | str | None = None) -> int | None:
     """Queries averaged for a map over ``n`` patches (None: all): ``"all"``; an int ``m``: ``m`` sampled;
-    ``"auto"``: all up to :data:`FAST_PATCHES` patches, else :data:`FAST_ROWS` sampled (VisionZip's fast path)."""
-    if queries == "all" or (queries == "auto" and n <= FAST_PATCHES):
+    ``"auto"``: all on an accelerator (``device`` not the CPU: the exact map costs little there) and on a CPU up to
+    :data:`FAST_PATCHES` patches, else :data:`FAST_ROWS` sampled (the CPU fast path; how close it comes to the
+    exact map depends on the tower, ``docs/methods.md``). ``device`` None counts as the CPU."""
+    accelerator = device is not None and torch.device(device).type != "cpu"
+    if queries == "all" or (queries == "auto" and (accelerator or n <= FAST_PATCHES)):
         return None
     return FAST_ROWS if queries == "auto" else int(queries)
 
@@ -173,7 +176,7 @@ def _grab_qwen(adapter: Any, key: str, queries: str | int = "auto"):
                 if end > start:
                     values[start:end] = received_attention(query[start:end].transpose(0, 1),
                                                            keys[start:end].transpose(0, 1), float(module.attn.scaling),
-                                                           rows=tower_rows(queries, end - start))
+                                                           rows=tower_rows(queries, end - start, hidden.device))
             grid = state.pop(key + "_grid", None)
             order = adapter.vit_merged_order(grid) if grid is not None else None
             merged = merge_units(values, keys.float().mean(dim=1), unit, order)

@@ -16,11 +16,11 @@ contextual tokens merged from the rest, before the language model.
 
 ``query="mean"`` ranks by the attention received from all queries on a CLIP tower too (for towers whose
 CLS token the projector never used, e.g. one trained from scratch with the ``default`` feature strategy).
-``queries`` (Qwen-VL towers): ``"auto"`` (default) averages every query up to
-:data:`~vtprune.methods.tower.FAST_PATCHES` (6,144) patches per image or frame and 1,024 evenly spaced queries
-above (a 9,216-patch image: about 9x less scoring time; agreement with the exact map in
-``docs/results/visionzip-queries``), ``"all"`` always every query, an int that many queries. CLIP / SigLIP
-crops (at most 729 patches) always use every query.
+``queries`` (Qwen-VL towers): ``"auto"`` (default) averages every query on a GPU (the exact map) and, on a
+CPU, up to :data:`~vtprune.methods.tower.FAST_PATCHES` (6,144) patches per image or frame, with 1,024 evenly
+spaced queries above (a 9,216-patch image: about 9x less scoring time; how close it comes to the exact map
+depends on the tower, ``docs/methods.md``), ``"all"`` always every query, an int that many queries. CLIP /
+SigLIP crops (at most 729 patches) always use every query.
 Runs pre-LLM (stage at layer 0) on the LLM-input embeddings; Qwen3-VL (DeepStack) prunes at layer ``n``.
 ``contextual=0`` keeps only dominant tokens (no merge). See ``docs/methods.md`` for where vtprune and the
 authors' code differ (merge space, CLS, positions).
@@ -117,8 +117,9 @@ class VisionZip(Scorer):
                              f"contextual tokens; use a value in [0, 1) (paper: 10/64; 0 turns merging off).")
         if self.queries not in ("auto", "all") and (isinstance(self.queries, bool) or not isinstance(self.queries, int)
                                                     or self.queries < 1):
-            raise ValueError(f"queries={self.queries!r}: use 'auto' (every query up to {tower.FAST_PATCHES} patches "
-                             f"per image, else {tower.FAST_ROWS} evenly spaced ones), 'all', or a number of queries >= 1.")
+            raise ValueError(f"queries={self.queries!r}: use 'auto' (every query on a GPU; on a CPU every query up to "
+                             f"{tower.FAST_PATCHES} patches per image, else {tower.FAST_ROWS} evenly spaced ones), "
+                             "'all', or a number of queries >= 1.")
         if self.context_value not in CONTEXT_VALUES:
             raise ValueError(f"context_value={self.context_value!r}: use 'mean' (the group's plain mean) or 'release' "
                              "(the target plus the mean of the tokens merged into it, as the released code).")

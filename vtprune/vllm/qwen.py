@@ -84,7 +84,7 @@ def qwen_block_maps(attention: Any, x: torch.Tensor, bounds: torch.Tensor, cos: 
         values = torch.zeros(query.shape[0], dtype=torch.float32, device=query.device)
         for start, end in _segments(bounds):
             values[start:end] = received_attention(query[start:end].transpose(0, 1), key[start:end].transpose(0, 1),
-                                                   scale, rows=tower_rows("auto", end - start))
+                                                   scale, rows=tower_rows("auto", end - start, query.device))
         return merge_units(values, key.float().mean(dim=1), unit, None)
 
 
