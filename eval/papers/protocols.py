@@ -104,10 +104,14 @@ def protocol_note(row: PaperRow, mmbench: str) -> str:
     notes: list[str] = []
     if row.keep is None:
         return "not run"
-    if row.benchmark == "TextVQA" or (row.benchmark == "REL5"):
-        if row.model == "qwen2.5-vl-7b":
-            notes.append("TextVQA without OCR tokens (lmms-eval's textvqa_val); whether the paper's Qwen2.5-VL run "
-                         f"gave them is not stated here; they are worth {TEXTVQA_OCR_GAP}")
+    if row.model.startswith("llava"):
+        notes.append("llava-hf conversion through lmms-eval's prompts, batched, instead of the original LLaVA code "
+                     "(size not measured: compare the unpruned rows)")
+    if row.benchmark in ("TextVQA", "REL5") and row.model == "qwen2.5-vl-7b":
+        notes.append("TextVQA without OCR tokens (lmms-eval's textvqa_val); whether the paper's Qwen2.5-VL run "
+                     f"gave them is not stated here; they are worth {TEXTVQA_OCR_GAP}")
+    elif row.benchmark == "TextVQA":
+        notes.append("OCR tokens as LLaVA's prompt; lmms-eval capitalises the question (size not measured)")
     if row.benchmark in ("MMB", "REL5"):
         notes.append("MMBench scored by lmms-eval's regex rule, no GPT judge (unmatched answers count as wrong; "
                      "size not measured)" if mmbench == "static" else
