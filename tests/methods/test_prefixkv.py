@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,8 +15,10 @@ from independent_reference import reference_decode_kv
 
 import vtprune
 from vtprune.errors import UserError
+from vtprune.methods import Debiased, PerFrame, Wrapper
 from vtprune.methods.prefixkv import (
     PROFILE_FORMAT,
+    PrefixKV,
     counts_at,
     counts_from_ratios,
     layer_budgets,
@@ -172,6 +175,54 @@ def test_bad_prefixkv_options_fail_at_wrap_time(tmp_path):
     with pytest.raises(UserError, match="outside the budgets"):
         vtprune.wrap(model, "prefixkv", keep=0.9, scope="prompt", profile=_profile(tmp_path))
     assert not hasattr(model, "_vtprune_handle")
+
+
+@pytest.mark.parametrize("build", [
+    lambda model: vtprune.wrap(model, "prefixkv+debias", keep=0.5),
+    lambda model: vtprune.wrap(model, "prefixkv", keep=0.5, debias=True),
+    lambda model: vtprune.wrap(model, PrefixKV(), keep=0.5, debias=True),
+    lambda model: vtprune.wrap(model, Debiased(inner=PrefixKV()), keep=0.5),
+    lambda model: vtprune.wrap(model, "per_frame+debias", keep=0.5, base="prefixkv"),
+], ids=["name+debias", "debias=True", "instance-debias=True", "Debiased(PrefixKV())", "per_frame+debias"])
+def test_debiasing_prefixkv_is_refused_at_wrap_time(build):
+    """Debiasing divides out the recency trend of the last token's attention; PrefixKV's priority is the attention a
+    key receives from every prompt row. Wrapped, it used to evict nothing while the stats recorded a pruned call."""
+    model, _ = _model("llava")
+    with pytest.raises(ValueError, match="debias does not apply to method 'prefixkv'") as error:
+        build(model)
+    assert "\n" not in str(error.value) and "fastv, pdrop, transprune" in str(error.value)
+    assert not hasattr(model, "_vtprune_handle")
+
+
+@pytest.mark.parametrize(("build", "match"), [
+    (lambda model: vtprune.wrap(model, "per_frame", keep=0.5, base="prefixkv"), "per-frame budgets"),
+    (lambda model: vtprune.wrap(model, PerFrame(inner=PrefixKV()), keep=0.5), "per-frame budgets"),
+    (lambda model: vtprune.wrap(model, "temporal", keep=0.5, then="prefixkv"), "cannot follow temporal"),
+], ids=["per_frame-base", "PerFrame(PrefixKV())", "temporal-then"])
+def test_wrappers_that_cannot_serve_kv_retention_refuse_prefixkv(build, match):
+    model, _ = _model("llava")
+    with pytest.raises(ValueError, match=match):
+        build(model)
+    assert not hasattr(model, "_vtprune_handle")
+
+
+@dataclass(frozen=True)
+class Relabelled(Wrapper):
+    """A wrapper that changes nothing: a KV-retention scorer inside it must still retain KV."""
+
+
+def test_a_wrapper_around_prefixkv_retains_kv_exactly_as_prefixkv():
+    model, processor = _model("llava")
+    inputs = tiny_inputs(processor, "llava", _samples("llava")[:1])
+    with vtprune.apply(model, "prefixkv", keep=0.4) as handle:
+        tokens, logits, _ = _generate(model, inputs)
+        kept = handle.last_stats.kept_indices
+    with vtprune.apply(model, Relabelled(inner=PrefixKV()), keep=0.4) as handle:
+        assert handle.retains_kv
+        wrapped_tokens, wrapped_logits, _ = _generate(model, inputs)
+        assert handle.last_stats.retained_kv and handle.last_stats.kept_indices == kept
+    assert torch.equal(wrapped_tokens, tokens)
+    torch.testing.assert_close(wrapped_logits, logits, atol=0, rtol=0)
 
 
 def test_calibrate_writes_a_profile_that_wrap_uses(tmp_path):

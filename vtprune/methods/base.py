@@ -143,6 +143,11 @@ class Wrapper(Scorer):
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
         return self.inner.captures(adapter, stages)
 
+    def kv_retention(self) -> KVRetention | None:
+        """The inner scorer's: a wrapper around a KV-retention scorer retains KV too (a wrapper that cannot serve
+        KV retention refuses such an inner scorer when it is built)."""
+        return self.inner.kv_retention()
+
     def __getattr__(self, name: str) -> Any:  # ``merge`` and the inner scorer's options
         if name.startswith("__") or name == "inner":
             raise AttributeError(name)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from vtprune.calibration_check import load_calibration_json
-from vtprune.methods.base import Wrapper
+from vtprune.methods.base import Scorer, Wrapper
 from vtprune.scoring import ScoreContext
 
 DEFAULT_SIGMA = 1.9
@@ -240,6 +240,19 @@ def debias_scores(debiaser: Debiaser, ctx: Any, scores: torch.Tensor) -> torch.T
     return debias(scores, weights, mask)
 
 
+DEBIAS_HOSTS = "fastv, pdrop, transprune"
+
+
+def refuse_kv_retention(scorer: Scorer, hosts: str = DEBIAS_HOSTS) -> None:
+    """ValueError when ``scorer`` retains KV entries (PrefixKV): its priority is the attention a key receives from
+    every prompt row, summed, which the last-token recency trend of debiasing does not describe."""
+    if scorer.kv_retention() is not None:
+        raise ValueError(
+            f"debias does not apply to method {scorer.name!r}: it keeps KV-cache entries by the attention they receive "
+            "from every prompt row, not by the last token's attention whose position trend debiasing divides out; "
+            f"drop debias / '+debias', or debias one of: {hosts}.")
+
+
 @dataclass(frozen=True)
 class Debiased(Wrapper):
     """Attention debiasing (arXiv:2508.17807) of every attention row the inner scorer reads.
@@ -252,6 +265,9 @@ class Debiased(Wrapper):
     debiaser: Debiaser = field(default_factory=Debiaser)
     option: bool | str = True
     stages: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        refuse_kv_retention(self.inner)
 
     @property
     def name(self) -> str:  # type: ignore[override]

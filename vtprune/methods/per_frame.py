@@ -87,6 +87,13 @@ def per_frame_scores(scores: torch.Tensor, alive: torch.Tensor, frames: torch.Te
 class PerFrame(Wrapper):
     """Every frame (image) keeps its own top ``keep`` fraction of its tokens, ranked by the inner scorer."""
 
+    def __post_init__(self) -> None:
+        if self.inner.kv_retention() is not None:
+            raise ValueError(
+                f"per-frame budgets share a sample's kept tokens among its frames, but method {self.inner.name!r} "
+                "keeps every token and evicts KV-cache entries per layer instead; use it without per_frame / "
+                "frame_budget='per_frame', or give per_frame a token method such as base='fastv'.")
+
     def score(self, ctx: ScoreContext) -> torch.Tensor:
         raw = self.inner.score(ctx)
         out = torch.zeros(raw.shape, dtype=torch.float32, device=raw.device)

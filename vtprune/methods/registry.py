@@ -11,7 +11,7 @@ from typing import Any
 
 from vtprune.config import split_method_name
 from vtprune.methods.base import Scorer
-from vtprune.methods.debias import Debiased, check_debias_option, debiaser_for
+from vtprune.methods.debias import Debiased, check_debias_option, debiaser_for, refuse_kv_retention
 
 METHODS: dict[str, Callable[..., Scorer]] = {}
 
@@ -78,20 +78,23 @@ def with_debias(scorer: Scorer, debias: bool | str, model: Any) -> Scorer:
     """``Debiased(scorer)`` when ``debias`` is set (only attention-scored methods can be debiased)."""
     if not debias:
         return scorer
+    debiasable = ", ".join(sorted(n for n, f in METHODS.items() if _debiasable(f)))
     if "attention" not in scorer.requires:
-        debiasable = sorted(n for n, f in METHODS.items() if "attention" in _class_requires(f))
         raise ValueError(
             f"method {scorer.name!r} does not score with language-model attention, so debias does not apply to it; "
-            f"drop debias / '+debias', or use one of: {', '.join(debiasable)}."
+            f"drop debias / '+debias', or use one of: {debiasable}."
         )
+    refuse_kv_retention(scorer, debiasable)
     option = check_debias_option(debias)
     return Debiased(inner=scorer, debiaser=debiaser_for(option, model), option=option)
 
 
-def _class_requires(factory: Any) -> frozenset[str]:
-    """What a registered method requires, read without building it (factories and properties: nothing)."""
+def _debiasable(factory: Any) -> bool:
+    """Whether a registered method scores with attention rows debiasing can filter, read without building it
+    (factories and properties: no): it requires attention and does not retain KV entries instead."""
     value = getattr(factory, "requires", frozenset())
-    return value if isinstance(value, frozenset) else frozenset()
+    retains = getattr(factory, "kv_retention", Scorer.kv_retention) is not Scorer.kv_retention
+    return isinstance(value, frozenset) and "attention" in value and not retains
 
 
 def make_method(name: str, options: dict[str, Any] | None = None) -> Scorer:

@@ -101,6 +101,10 @@ class Temporal(Scorer):
             if not isinstance(self.then, str) or self.then.split("+")[0] in ("temporal", "per_frame"):
                 raise ValueError(f"then={self.then!r} must name a token method such as 'fastv' or 'pdrop'.")
             inner = resolve(self.then, dict(self.then_options or {}))
+            if inner.kv_retention() is not None:
+                raise ValueError(f"then={self.then!r} evicts KV-cache entries instead of pruning tokens, so it cannot "
+                                 "follow temporal's stage; use a method that prunes inside the LLM ('fastv', "
+                                 "'pdrop', 'dart', ...).")
             if merge_step(inner) is not None or any(s.layer == 0 for s in inner.schedule(32, 0.25)):
                 raise ValueError(f"then={self.then!r} must be a method that scores inside the LLM ('fastv', "
                                  "'pdrop', 'dart', ...); a pre-LLM or merging method cannot follow temporal.")
