@@ -42,6 +42,7 @@ BENCHMARKS = {
 }
 # A paper's relative score: the mean over these benchmarks of pruned / unpruned (same model), in percent.
 RELATIVE = {"REL5": ("GQA", "MMB", "MME", "POPE", "TextVQA")}
+OPTION_KEYS = ("layer", "budget")
 
 
 @dataclass(frozen=True)
@@ -123,13 +124,29 @@ def benchmark_task(name: str, model: str, mmbench: str = "judge") -> str:
     return dict(MODELS[model].tasks).get(name, BENCHMARKS[name].task)
 
 
+def parse_options(text: str) -> dict[str, str]:
+    """A row's options, ``"layer=3;budget=average"`` -> ``{"layer": "3", "budget": "average"}``; ``ValueError``
+    for anything else (the keys are :data:`OPTION_KEYS`; ``layer`` an integer, ``budget`` only ``average``)."""
+    pairs = [part.split("=", 1) for part in text.split(";") if part]
+    for pair in pairs:
+        key, value = (pair + [""])[:2]
+        if len(pair) != 2 or key not in OPTION_KEYS or (key == "budget" and value != "average") or (
+                key == "layer" and not value.isdigit()):
+            raise ValueError(f"options {text!r}: use layer=K (an integer) and/or budget=average, separated by ';'.")
+    return dict(pairs)
+
+
 def load_papers(path: Path = PAPERS_CSV) -> list[PaperRow]:
-    """The papers' numbers; a row naming an unknown model or benchmark is an error (a typo in the data)."""
+    """The papers' numbers; a row naming an unknown model, benchmark or option is an error (a typo in the data)."""
     rows = []
     with open(path, newline="") as handle:
         for line, row in enumerate(csv.DictReader(handle), start=2):
             if row["model"] not in MODELS or (row["benchmark"] not in BENCHMARKS and row["benchmark"] not in RELATIVE):
                 raise ValueError(f"{path.name}:{line}: unknown model {row['model']!r} or benchmark {row['benchmark']!r}")
+            try:
+                parse_options(row.get("options") or "")
+            except ValueError as error:
+                raise ValueError(f"{path.name}:{line}: {error}") from None
             rows.append(PaperRow(row["paper"], row["model"], row["method"], float(row["keep"]) if row["keep"] else None,
                                  row["tokens"], row["benchmark"], float(row["value"]) if row["value"] else None,
                                  row["source"], row["note"], row.get("options") or ""))

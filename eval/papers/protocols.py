@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from vtprune.eval.papers.data import MODELS, PaperRow, Setting
+from vtprune.eval.papers.data import MODELS, PaperRow, Setting, parse_options
 
 from vtprune.config import Stage, keep_count
 
@@ -71,18 +71,9 @@ def schedule_text(stages: tuple[Stage, ...]) -> str:
     return ";".join(f"{stage.layer}:{stage.keep:g}" for stage in stages)
 
 
-def options(text: str) -> dict[str, str]:
-    """``"layer=3;budget=average"`` -> ``{"layer": "3", "budget": "average"}``."""
-    pairs = [part.split("=", 1) for part in text.split(";") if part]
-    bad = [part for part in pairs if len(part) != 2 or part[0] not in ("layer", "budget")]
-    if bad or any(k == "budget" and v != "average" for k, v in pairs):
-        raise ValueError(f"options {text!r}: use layer=K and/or budget=average, separated by ';'.")
-    return dict(pairs)
-
-
 def method_args(setting: Setting, dry_run: bool) -> tuple[str, str]:
     """``(keep and method arguments, what the dry run changed)`` of a run, e.g. ``("keep=0.5,layer=3", "")``."""
-    wanted = options(setting.options)
+    wanted = parse_options(setting.options)
     parts = [f"keep={setting.keep:g}"]
     changed = ""
     if "layer" in wanted:

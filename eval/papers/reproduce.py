@@ -1,14 +1,18 @@
 """Reproduce the papers' tables with lmms-eval: the papers' numbers beside the measured ones, and each run's speed.
 
 ``vtprune bench reproduce`` reads the papers' numbers (``papers.csv``: one row per paper x
-model x setting x benchmark, with its source), runs lmms-eval once per model x method x keep (``vtprune_llava``
-on llava-hf/llava-1.5-7b-hf, ``vtprune_qwen_vl`` on Qwen/Qwen2.5-VL-7B-Instruct, plus each model unpruned), and
-writes ``table.md`` / ``table.csv``: paper value, measured value, difference, wall-clock seconds of the run and
-the measured prefill per sample. A run whose results file exists is not run again (resume after a cut).
+model x setting x benchmark, with its source), runs lmms-eval once per model x method x keep x options
+(``vtprune_llava`` on llava-hf/llava-1.5-7b-hf and llava-v1.6-vicuna-7b-hf, ``vtprune_qwen_vl`` on
+Qwen/Qwen2.5-VL-7B-Instruct, plus each model unpruned) with each paper's protocol
+(:mod:`vtprune.eval.papers.protocols`; the task variants of :mod:`vtprune.eval.lmms_plugin.paper_tasks`), and
+writes ``table.md`` / ``table.csv``: paper value, measured value, difference, the known protocol differences,
+wall-clock seconds of the run and the measured prefill per sample. A run whose results file exists is not run
+again (resume after a cut).
 
-``--dry-run`` runs the same plan offline on CPU in seconds: the embedded models stand in for the checkpoints
-and every benchmark is the local ``vtprune_shapes`` task (``--limit`` documents), so the table has the papers'
-columns but the measured ones are *not* comparable to them. CI runs it (``tests/eval/test_reproduce.py``).
+``--dry-run`` runs the same plan offline on CPU in a minute or two: the embedded models stand in for the
+checkpoints and every benchmark is the local ``vtprune_shapes`` task (``--limit`` documents), so the table has
+the papers' columns but the measured ones are *not* comparable to them. CI runs it
+(``tests/eval/test_reproduce.py``).
 """
 
 from __future__ import annotations

@@ -43,6 +43,13 @@ def test_data_file_cites_a_source_for_every_number() -> None:
     assert not any("the table does not say" in r.note or "same rows in DART" in r.source for r in rows)
 
 
+def test_a_typo_in_the_data_file_names_its_line(tmp_path: Path) -> None:
+    head = "paper,model,method,keep,tokens,benchmark,value,options,source,note\n"
+    (tmp_path / "bad.csv").write_text(head + "FastV,llava-1.5-7b,fastv,0.5,288,GQA,60.4,layr=3,README,\n")
+    with pytest.raises(ValueError, match="bad.csv:2: options 'layr=3'"):
+        load_papers(tmp_path / "bad.csv")
+
+
 def test_plan_runs_each_setting_once_plus_the_unpruned_reference() -> None:
     runs = reproduce.plan(load_papers())
     llava = {s: t for s, t in runs.items() if s.model == LLAVA}
