@@ -261,6 +261,8 @@ def test_pdrop_average_budget_runs_at_the_rows_tokens_per_layer() -> None:
     from vtprune.eval.lmms_plugin.args import parse_model_args
 
     import vtprune
+    from vtprune.config import Stage
+    from vtprune.methods.schedules import pyramid
     from vtprune.models.tiny import random_image, tiny_inputs
 
     model, processor = _wrapped_32_layer_llava()
@@ -282,6 +284,9 @@ def test_pdrop_average_budget_runs_at_the_rows_tokens_per_layer() -> None:
                 for layer in range(32)]
         assert abs(sum(seen) / 32 - tokens) <= 1.0, (tokens, stats.stage_layers, stats.kept)
         assert 0.4 < prune.stages[0].keep < 0.6  # PyramidDrop's ratio between stages, near its 0.5
+    own = next(r for r in load_papers() if r.method == "pdrop" and not r.options)  # the paper's own row
+    assert "schedule" not in reproduce.model_args(reproduce.row_setting(own), False, 1)
+    assert pyramid(32, own.keep) == (Stage(8, 0.5), Stage(16, 0.25), Stage(24, 0.125))  # layers 8/16/24, ratio 0.5
 
 
 def test_visionzip_uses_the_exact_map_on_a_gpu_and_in_reproduce() -> None:
