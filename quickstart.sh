@@ -18,7 +18,7 @@ EOF
 echo; echo "== 10 images x 6 questions: accuracy and evidence recall per method (embedded model, CPU; about 1 min)"
 mkdir -p runs/quickstart
 .venv/bin/vtprune bench --images 10 --methods none,random,oracle,fastv,pdrop --keep 1,0.25 \
-  --timing-samples 2 --repeats 2 --out runs/quickstart > runs/quickstart/bench.log 2>&1 \
+  --timing-samples 2 --repeats 2 --out runs/quickstart --force > runs/quickstart/bench.log 2>&1 \
   || { cat runs/quickstart/bench.log >&2; exit 1; }
 .venv/bin/python - <<'EOF'
 import csv

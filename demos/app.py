@@ -326,24 +326,27 @@ def launch(demo: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, sh
 def main(argv: list[str] | None = None) -> int:
     """``python demos/app.py [--model PATH] [--host 127.0.0.1] [--port 7860] [--share] [--device cpu]``.
 
-    The options (and ``--help``) are ``vtprune demo``'s: :func:`vtprune.demo.cli.demo_parser`.
+    The options (and ``--help``) are ``vtprune demo``'s: :func:`vtprune.demo.cli.demo_parser`; a bad value is one
+    ``python demos/app.py: error: ...`` line and exit status 2.
     """
+    from vtprune.cli import run_reporting_errors
     from vtprune.demo.cli import demo_parser
 
-    parser = demo_parser()
-    args = parser.parse_args(argv)
+    args = demo_parser().parse_args(argv)
+    return run_reporting_errors(lambda: serve(args), "python demos/app.py")
+
+
+def serve(args: Any) -> int:
+    """Check the parsed options (port, model, device: :class:`UserError`), build the app and serve it."""
     from vtprune.models.loading import check_device, check_model_spec
 
-    try:
-        check_port(args.host, args.port)
-        check_model_spec(args.model)
-        check_device(args.device)
-        warning = exposure_warning(args.host, args.share)
-        if warning:
-            print(warning, file=sys.stderr)
-        demo = build_app(args.model, device=args.device)
-    except UserError as error:
-        parser.error(str(error))
+    check_port(args.host, args.port)
+    check_model_spec(args.model)
+    check_device(args.device)
+    warning = exposure_warning(args.host, args.share)
+    if warning:
+        print(warning, file=sys.stderr)
+    demo = build_app(args.model, device=args.device)
     launch(demo, args.host, args.port, args.share)
     return 0
 

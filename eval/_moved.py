@@ -1,9 +1,11 @@
-"""The modules that left ``eval/``'s flat layout (issue 26), and the shims that keep their old paths for one release.
+"""The modules that left ``eval/``'s flat layout for subpackages by concern, and the shims that keep their old
+paths for one release.
 
 Each old module ``eval/OLD.py`` is three lines calling :func:`alias`: imported, it is the moved module itself
 (``sys.modules`` holds the same object, so attributes, monkeypatching and pickles agree) and a
-``DeprecationWarning`` names the new path; run as ``python -m vtprune.eval.OLD`` it runs the moved module's
-``__main__`` (the new command is ``vtprune bench KIND``, :data:`vtprune.cli.commands.BENCH_KINDS`).
+``DeprecationWarning`` names the new path; run as ``python -m vtprune.eval.OLD`` it prints that notice on
+stderr (Python's default filters would hide the warning there) and runs the moved module's ``__main__`` (the
+new command is ``vtprune bench KIND``, :data:`vtprune.cli.commands.BENCH_KINDS`).
 CHANGELOG.md lists the same table; ``tests/eval/test_eval_move.py`` checks both.
 """
 
@@ -60,9 +62,20 @@ def alias(old: str, name: str) -> None:
     ``python -m`` command keeps working for one release.
     """
     new = MOVED[old]
+    if name == "__main__":
+        print(f"DeprecationWarning: vtprune.eval.{old} moved to {new}; run {new_command(new)} instead (the old "
+              "path will be removed in the next release; see CHANGELOG.md).", file=sys.stderr, flush=True)
+        runpy.run_module(new, run_name="__main__", alter_sys=True)
+        return
     warnings.warn(f"vtprune.eval.{old} moved to {new}; import it from there (the old path will be removed in "
                   "the next release; see CHANGELOG.md).", DeprecationWarning, stacklevel=3)
-    if name == "__main__":
-        runpy.run_module(new, run_name="__main__", alter_sys=True)
-    else:
-        sys.modules[f"vtprune.eval.{old}"] = importlib.import_module(new)
+    sys.modules[f"vtprune.eval.{old}"] = importlib.import_module(new)
+
+
+def new_command(module: str) -> str:
+    """The command that runs ``module`` now: ``vtprune COMMAND``, ``vtprune bench KIND`` or ``python -m MODULE``."""
+    from vtprune.cli.commands import BENCH_KINDS, COMMANDS
+
+    commands = {where: f"vtprune {name}" for name, (where, _) in COMMANDS.items()}
+    commands.update({where: f"vtprune bench {kind}" for kind, (where, _) in BENCH_KINDS.items() if where})
+    return f"`{commands.get(module, 'python -m ' + module)}`"

@@ -150,13 +150,13 @@ fi
 speed() {  # speed NAME LIMIT_S ARGS...: one bench --speed run that stops starting blocks before its limit
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" "$PY" -m vtprune.cli bench --speed "${COMMON[@]}" "$@" --speed-budget-s $(( limit * 2 / 3 )) \
-    --out "$OUT/$name"
+    --out "$OUT/$name" --force
 }
 if [ "$RUN" = 1 ]; then
   speed speed-llava7b-sdpa 170 "${LLAVA[@]}"
   speed speed-qwen7b-sdpa 150 "${QWEN[@]}"
   if [ ${#LONG[@]} -gt 0 ]; then speed speed-qwen7b-16384-sdpa 70 "${LONG[@]}"; else skip speed-qwen7b-16384-sdpa quick; fi
-  KERNEL_ARGS=(--device "$DEVICE" --out "$OUT/kernels")
+  KERNEL_ARGS=(--device "$DEVICE" --out "$OUT/kernels" --force)
   [ "$QUICK" = 1 ] && KERNEL_ARGS+=(--quick --preset tiny --threads 1)
   step kernels 90 "$PY" -m vtprune bench kernels "${KERNEL_ARGS[@]}" \
     && step kernel-plots 30 "$PY" -m vtprune bench plot-kernels --csv "$OUT/kernels/bench_kernels_$DEVICE.csv" \

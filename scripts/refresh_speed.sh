@@ -15,20 +15,20 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 OUT=docs/results/speed-proxy
 RUNS=runs/speed-proxy
 mode=${1:-reduced}
-bench() { .venv/bin/vtprune bench --speed --speed-new-tokens 32 --repeats 5 --threads 1 "$@"; }
+bench() { .venv/bin/vtprune bench --speed --speed-new-tokens 32 --repeats 5 --threads 1 --force "$@"; }
 ALL=(--methods fastv,pdrop,prefixkv)  # prefixkv: KV-cache retention (decode time, KV bytes)
 mkdir -p "$RUNS"
 case "$mode" in
   full)
     bench "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens all --speed-batches 1,8 --out "$RUNS/full"
-    .venv/bin/python -m vtprune bench speed-report "$OUT" --merge "$RUNS/full/speed.csv"
+    .venv/bin/python -m vtprune bench speed-report "$OUT" --force --merge "$RUNS/full/speed.csv"
     ;;
   reduced)
     LM=(--speed-hidden 512 --speed-layers 8)
     bench "${LM[@]}" "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens 576 --speed-batches 1,8 --out "$RUNS/576"
     bench "${LM[@]}" "${ALL[@]}" --keep 1,0.5,0.25,0.11 --speed-tokens 2880 --speed-batches 1 --out "$RUNS/2880-b1"
     bench "${LM[@]}" --methods fastv,pdrop --keep 1,0.25 --speed-tokens 2880 --speed-batches 8 --out "$RUNS/2880-b8"
-    .venv/bin/python -m vtprune bench speed-report "$OUT" \
+    .venv/bin/python -m vtprune bench speed-report "$OUT" --force \
       --merge "$RUNS/576/speed.csv" "$RUNS/2880-b1/speed.csv" "$RUNS/2880-b8/speed.csv"
     ;;
   *) echo "usage: scripts/refresh_speed.sh [full|reduced]" >&2; exit 2 ;;

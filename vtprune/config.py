@@ -15,6 +15,8 @@ Vocabulary used everywhere in vtprune:
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,11 +93,17 @@ def _stage_pair(item: Any) -> tuple[Any, Any]:
 
 
 def stage_layer(value: Any, name: str = "layer") -> int:
-    """``value`` as a decoder-layer index: an int (or an integral float such as 2.0); 1.7, True, '2' are refused."""
-    integral = isinstance(value, float) and math.isfinite(value) and value.is_integer()
-    if isinstance(value, bool) or not (isinstance(value, int) or integral):
-        raise ValueError(f"{name} must be an integer decoder-layer index, got {value!r}; e.g. 2.")
-    return int(value)
+    """``value`` as a decoder-layer index: an integer (``int``, NumPy or torch integer scalars) or an integral
+    number (``2.0``, ``np.float32(2)``); ``1.7``, ``True``, ``'2'`` are refused."""
+    scalar = not getattr(value, "ndim", 0)  # not a tensor / array with elements along a dimension
+    if scalar and not isinstance(value, bool) and type(value).__name__ not in ("bool_", "bool"):  # np.True_ too
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+        if isinstance(value, numbers.Real) and math.isfinite(float(value)) and float(value).is_integer():
+            return int(value)
+    raise ValueError(f"{name} must be an integer decoder-layer index, got {value!r}; e.g. 2.")
 
 
 def validate_stages(stages: tuple[Stage, ...], num_layers: int) -> None:

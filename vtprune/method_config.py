@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from vtprune.config import check_keep, parse_schedule, split_method_name, validate_stages
+from vtprune.config import check_keep, parse_schedule, split_method_name, stage_layer, validate_stages
 from vtprune.errors import UserError
 from vtprune.methods import METHODS, list_methods, resolve
 from vtprune.methods.debias import read_calibration
@@ -109,8 +109,8 @@ def _check_config_fields(options: dict[str, Any], name: str, prefix: str, file: 
         _require(_is_number(options["keep"]), f"{where} '{prefix}keep' must be a number in (0, 1], got {options['keep']!r}.")
         _as_user(lambda: check_keep(options["keep"]), f"{where} '{prefix}keep'")
     if options.get("layer") is not None:
-        _require(_is_int(options["layer"]) and options["layer"] >= 0,
-                 f"{where} '{prefix}layer' must be a decoder layer index >= 0, got {options['layer']!r}.")
+        layer = _as_user(lambda: stage_layer(options["layer"]), f"{where} '{prefix}layer'")
+        _require(layer >= 0, f"{where} '{prefix}layer' must be a decoder layer index >= 0, got {options['layer']!r}.")
     if options.get("schedule") not in (None, ""):
         stages = _as_user(lambda: parse_schedule(options["schedule"]), f"{where} '{prefix}schedule'")
         _as_user(lambda: validate_stages(stages, 1 << 20), f"{where} '{prefix}schedule'")

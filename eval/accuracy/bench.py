@@ -30,12 +30,14 @@ from vtprune.cli.checks import (
     name_list,
     positive_int,
 )
+from vtprune.cli.outputs import add_force_argument, check_new_results
 from vtprune.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
 SPLITS = ("train", "val", "test", "calib")
+RESULTS = ("bench.csv", "bench.md")  # what an earlier run left in --out (the plots are redrawn from the CSV)
 
 
 @dataclass
@@ -86,15 +88,16 @@ def normalise(text: str) -> str:
     return text.strip().lower().rstrip(".").replace(" ", "-")
 
 
-def available_methods(requested: list[str]) -> list[str]:
-    """Requested methods that exist in this install (criteria may land later); warns about the rest."""
+def known_methods(requested: list[str], flag: str = "--methods") -> list[str]:
+    """``requested`` when vtprune has every method (``+debias`` allowed); a :class:`UserError` names the first
+    unknown one and the known names."""
     from vtprune.methods import list_methods
 
-    known = set(list_methods())
-    kept = [m for m in requested if m.split("+")[0] in known]
-    for missing in sorted(set(requested) - set(kept)):
-        print(f"[bench] skipping unknown method {missing!r} (known: {', '.join(sorted(known))})")
-    return kept
+    known = set(list_methods()) | {"none"}
+    for name in requested:
+        if name.split("+")[0] not in known:
+            raise UserError(f"{flag}: unknown method {name!r}; known: {', '.join(sorted(known))} (see `vtprune info`).")
+    return requested
 
 
 def evaluate(model, processor, items: list[Item], method: str, keep: float, batch_size: int,
@@ -217,11 +220,9 @@ def run(args: argparse.Namespace) -> Path:
 
     from vtprune.models.loading import load, model_label
 
-    methods = available_methods([m for m in args.methods.split(",") if m])
-    if not methods:
-        raise UserError(f"--methods {args.methods!r} names no known method; see `vtprune info`.")
+    methods = known_methods([m for m in args.methods.split(",") if m])
     keeps = [float(k) for k in args.keep.split(",") if k]
-    out = check_output_dir(args.out)
+    out = check_new_results(check_output_dir(args.out), RESULTS, args.force)
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -305,6 +306,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--threads", type=int_range(0, 1024), default=1,
                         help="torch CPU threads (0: as many as torch picks; 1 avoids thread thrashing on shared CPUs)")
     parser.add_argument("--out", default="runs/bench", help="output folder (CSV, Markdown table, plots)")
+    add_force_argument(parser)
     parser.add_argument("--speed", action="store_true",
                         help="run the speed benchmark on a random-weight speed-proxy model instead")
     parser.add_argument("--speed-hidden", type=positive_int, default=1024, help="speed proxy: LM hidden size")

@@ -64,21 +64,45 @@ def table(rows: list[dict], facts: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's options; a bad value is one ``error:`` line and exit status 2, before any model is loaded."""
+    from vtprune.cli.checks import OneLineParser, int_range, keep_fraction, name_list
+    from vtprune.cli.outputs import add_force_argument
+
+    parser = OneLineParser(prog="vtprune bench followup", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded LLaVA")
-    parser.add_argument("--images", type=int, default=100)
-    parser.add_argument("--methods", default=METHODS)
-    parser.add_argument("--keep", type=float, default=0.25)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="runs/followup")
-    args = parser.parse_args(argv)
+    parser.add_argument("--images", type=int_range(1, 100_000), default=100, help="test images (two questions each)")
+    parser.add_argument("--methods", type=name_list, default=METHODS,
+                        help="comma-separated methods ('none' is the unpruned reference)")
+    parser.add_argument("--keep", type=keep_fraction, default=0.25, help="keep fraction of the pruned methods")
+    parser.add_argument("--threads", type=int_range(1, 1024), default=2, help="torch CPU threads")
+    parser.add_argument("--out", default="runs/followup", help="output folder (followup.csv, followup.md)")
+    add_force_argument(parser)
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> Path:
+    """Methods, model and output folder, checked before any work; the output folder."""
+    from vtprune.eval.accuracy.bench import known_methods
+
+    from vtprune.cli.checks import check_output_dir
+    from vtprune.cli.outputs import check_new_results
+    from vtprune.models.loading import check_model_spec
+
+    known_methods(args.methods.split(","), "--methods")
+    check_model_spec(args.model)
+    check_output_dir(args.out)
+    return check_new_results(args.out, ("followup.csv", "followup.md"), args.force)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    out = check_args(args)
     torch.set_num_threads(args.threads)
     model, processor = load(args.model, device="cpu")
-    rows = run(model, processor, args.images, [m for m in args.methods.split(",") if m], args.keep)
+    rows = run(model, processor, args.images, args.methods.split(","), args.keep)
     args.attn, args.batch_size = "sdpa", 1
     facts = {**conditions(model, args), "model": model_label(args.model)}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "followup.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*rows[0], *facts])

@@ -292,7 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attn", choices=ATTN_IMPLEMENTATIONS, default="sdpa")
     parser.add_argument("--threads", type=int_range(1), default=1)
     parser.add_argument("--resume", action="store_true", help="continue the records.jsonl of --out")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="output folder (records.jsonl, the summary CSV, Markdown, PNG)")
+    parser.add_argument("--force", action="store_true",
+                        help="start again over the records.jsonl an earlier run left in --out (default: refuse)")
     args = parser.parse_args(argv)
     args.model = args.model or ("embedded:qwen2_vl" if args.setting == "video" else "embedded:llava")
     args.methods = (args.methods or (VIDEO_METHODS if args.setting == "video" else MULTI_METHODS)).split(",")
@@ -303,10 +305,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as error:
             parser.error(f"argument --methods: {error}")
     from vtprune.cli.checks import check_output_dir
+    from vtprune.cli.outputs import check_new_results
     from vtprune.methods.debias import check_debias_option
 
     try:
         check_output_dir(args.out)
+        if not args.resume:
+            check_new_results(args.out, ("records.jsonl",), args.force, resume=True)
         if args.debias_file is not None:
             check_debias_option(args.debias_file)
     except ValueError as error:

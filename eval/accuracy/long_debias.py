@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path, help="calibration JSON files")
     parser.add_argument("--out", type=Path, default=None, help="Markdown file (default: print)")
     parser.add_argument("--curve", type=Path, default=None, help="folder for the trend=curve copies")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --out file or curve copies (default: refuse)")
     args = parser.parse_args(argv)
     return run_reporting_errors(lambda: summarise(args), "long_debias")
 
@@ -102,11 +104,13 @@ def main(argv: list[str] | None = None) -> int:
 def summarise(args: argparse.Namespace) -> int:
     """The work of :func:`main` on parsed arguments."""
     from vtprune.cli.checks import check_output_dir, check_output_file
+    from vtprune.cli.outputs import check_new_file, check_new_results
 
     if args.out:
-        check_output_file(args.out)
+        check_new_file(check_output_file(args.out), args.force)
     if args.curve:
-        check_output_dir(args.curve, "--curve")
+        copies = [f"{Path(path).stem}-curve.json" for path in args.files]
+        check_new_results(check_output_dir(args.curve, "--curve"), copies, args.force, "--curve")
     text = markdown(summary_rows(args.files))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ VisionZip ranks them): overlap of the top-``keep`` sets (keep 0.25: 576 of 2,304
 
 from __future__ import annotations
 
+import argparse
 import csv
 import platform
 import subprocess
@@ -159,21 +160,42 @@ def write(rows: list[dict], out: Path, conditions: dict) -> None:
     (out / "queries.md").write_text("\n".join(lines) + "\n")
 
 
+TOWERS = ("random", "embedded")
+
+
+def tower_list(text: str) -> list[str]:
+    """argparse type: comma-separated towers, each one of :data:`TOWERS`."""
+    from vtprune.cli.checks import name_list
+
+    towers = name_list(text).split(",")
+    for tower in towers:
+        if tower not in TOWERS:
+            raise argparse.ArgumentTypeError(f"unknown tower {tower!r}; choose from {', '.join(TOWERS)}")
+    return towers
+
+
 def main(argv: list[str] | None = None) -> int:
-    from vtprune.cli.checks import OneLineParser, int_range
+    from vtprune.cli.checks import OneLineParser, check_output_dir, int_range
+    from vtprune.cli.outputs import add_force_argument, check_new_results
 
     parser = OneLineParser(prog="vtprune bench tower-queries", description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", type=int_range(2, 128), default=96, help="patches per side (even; default 96)")
     parser.add_argument("--repeats", type=int_range(1, 20), default=3)
     parser.add_argument("--threads", type=int_range(1, 256), default=1)
-    parser.add_argument("--towers", default="random,embedded")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--towers", type=tower_list, default="random,embedded",
+                        help=f"comma-separated, of {', '.join(TOWERS)} (default: both)")
+    parser.add_argument("--out", required=True, help="output folder (queries.csv, queries.md)")
+    add_force_argument(parser)
     args = parser.parse_args(argv)
     if args.side % 2:
-        parser.error("argument --side: must be even (2 x 2 merge units)")
+        parser.error(f"argument --side: must be even (2 x 2 merge units), got {args.side}")
+    try:
+        out = check_new_results(check_output_dir(args.out), ("queries.csv", "queries.md"), args.force)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     rows = []
-    for tower in args.towers.split(","):
+    for tower in args.towers:
         query, key, scale = random_block_qk(args.side) if tower == "random" else embedded_block_qk(args.side)
         rows += measure(tower, query, key, scale, 0.25, args.repeats)
         print(*(f"{r['tower']:>8} {r['map']:>12} {r['ms']:>9.1f} ms  overlap {r['top_overlap']:.3f}  "
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     conditions = {"device": f"CPU ({platform.processor() or platform.machine()})", "threads": args.threads,
                   "dtype": "float32", "torch": torch.__version__, "keep": 0.25, "repeats (median)": args.repeats,
                   "git": sha or "unknown"}
-    write(rows, Path(args.out), conditions)
+    write(rows, out, conditions)
     return 0
 
 

@@ -343,9 +343,10 @@ def run_video(args: argparse.Namespace) -> Path:
     if args.threads:
         torch.set_num_threads(args.threads)
     from vtprune.cli.checks import check_output_dir
+    from vtprune.cli.outputs import check_new_results
 
     methods, keeps, out = resolve_defaults(args)
-    check_output_dir(out)
+    check_new_results(check_output_dir(out), ("bench_video.csv", "bench_video.md"), getattr(args, "force", False))
     args.model = args.model or default_video_spec()
     model, processor = load(args.model, args.attn, args.dtype, args.device)
     questions = load_questions(args.split, args.clips, getattr(args, "open_ended", False))

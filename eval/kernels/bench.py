@@ -241,28 +241,41 @@ def bench_case(case: Case, device: torch.device, warmup: int, reps: int) -> list
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The run's options; a bad value is one ``error:`` line and exit status 2, before any kernel runs."""
+    from vtprune.cli.checks import OneLineParser, check_output_dir, int_range, number_range
+    from vtprune.cli.outputs import add_force_argument, check_new_results
+
+    p = OneLineParser(prog="vtprune bench kernels", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
     )
     p.add_argument("--out", type=Path, default=Path("runs/kernels"),
                    help="output folder (default: runs/kernels; the committed run lives in docs/results/kernels)")
+    add_force_argument(p)
     p.add_argument("--quick", action="store_true", help="few repeats (CI smoke run)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="full", help="'tiny' = toy shapes for tests")
     p.add_argument(
         "--kernels", nargs="+", choices=["topk", "merge", "scoring"], default=["topk", "merge", "scoring"]
     )
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--max-gib", type=float, default=8.0, help="skip cases estimated to need more memory")
-    return p.parse_args(argv)
+    p.add_argument("--batch", type=int_range(1, 4096), nargs="+", default=[1, 8], help="batch sizes, each >= 1")
+    p.add_argument("--threads", type=int_range(1, 1024), default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--max-gib", type=number_range(0.0, above=True), default=8.0,
+                   help="skip cases estimated to need more memory (GiB, > 0)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda, but torch sees no GPU; use --device cpu")
+    try:
+        check_output_dir(args.out)
+        check_new_results(args.out, (f"bench_kernels_{args.device}.csv",), args.force)
+    except ValueError as error:
+        p.error(str(error))
+    return args
 
 
 def main(argv: list[str] | None = None) -> Path:
     """Run the benchmark; return the CSV path."""
     args = parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch sees no GPU; use --device cpu.")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -21,12 +21,34 @@ from tqdm import tqdm  # noqa: E402
 IMPL_ORDER = ["torch_loop", "torch", "triton"]
 
 
+NEEDED = ("kernel", "impl", "shape", "batch", "size", "dtype", "device", "device_name", "p20_ms", "p50_ms", "p80_ms")
+
+
 def read_rows(paths: list[Path]) -> list[dict[str, str]]:
-    """All rows of the given benchmark CSVs."""
+    """All rows of the given benchmark CSVs; a :class:`UserError` names a file that is not one."""
+    from vtprune.errors import UserError
+
     rows: list[dict[str, str]] = []
     for path in paths:
-        with path.open(newline="") as fh:
-            rows += list(csv.DictReader(fh))
+        hint = "give a bench_kernels_*.csv that `vtprune bench kernels` wrote."
+        if not path.is_file():
+            raise UserError(f"--csv {str(path)!r} is {'a folder' if path.is_dir() else 'not there'}; {hint}")
+        try:
+            with path.open(newline="") as fh:
+                reader = csv.DictReader(fh)
+                missing = [column for column in NEEDED if column not in (reader.fieldnames or [])]
+                if missing:
+                    raise UserError(f"--csv {str(path)!r} is not a kernel benchmark CSV (no column {missing[0]!r}); "
+                                    f"{hint}")
+                found = list(reader)
+            for row in found:
+                for column in ("p20_ms", "p50_ms", "p80_ms"):
+                    float(row[column])
+        except (UnicodeDecodeError, csv.Error, ValueError, TypeError) as error:
+            if isinstance(error, UserError):
+                raise
+            raise UserError(f"--csv {str(path)!r} is not a kernel benchmark CSV ({error}); {hint}") from None
+        rows += found
     return rows
 
 
@@ -69,17 +91,25 @@ def plot_kernel(kernel: str, rows: list[dict[str, str]], out_dir: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     """Render one PNG per kernel found in the CSVs; return their paths."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vtprune.cli.checks import OneLineParser, check_output_dir
+
+    p = OneLineParser(prog="vtprune bench plot-kernels", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--csv", type=Path, nargs="+", default=None, help="default: <out>/bench_kernels_*.csv")
     p.add_argument("--out", type=Path, default=Path("runs/kernels"),
                    help="folder of the CSVs and the plots (default: runs/kernels)")
     args = p.parse_args(argv)
     paths = args.csv or sorted(args.out.glob("bench_kernels_*.csv"))
-    if not paths:
-        raise SystemExit(
-            f"no benchmark CSV given or found in {args.out}; run vtprune bench kernels"
-        )
-    rows = read_rows(paths)
+    try:
+        check_output_dir(args.out)
+        if not paths:
+            raise ValueError(f"--out {str(args.out)!r} holds no bench_kernels_*.csv and no --csv is given; run "
+                             "`vtprune bench kernels` first.")
+        rows = read_rows(paths)
+        if not rows:
+            raise ValueError(f"{', '.join(map(str, paths))}: no benchmark rows to plot; run `vtprune bench kernels`.")
+    except ValueError as error:
+        p.error(str(error))
     kernels = sorted({r["kernel"] for r in rows})
     pngs = [
         plot_kernel(k, [r for r in rows if r["kernel"] == k], args.out) for k in tqdm(kernels, desc="plot")

@@ -36,6 +36,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from vtprune.cli.checks import int_range, number_range
+
 COLUMNS = [
     "geometry", "geometry_key", "family", "lm", "batch", "visual_tokens", "visual_per_sample", "text_tokens",
     "prompt_tokens", "method", "keep", "layer", "kept_per_stage", "new_tokens", "repeats", "status",
@@ -75,13 +77,14 @@ def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speed-lm", default="proxy", choices=("proxy", "7b"),
                        help="language model: proxy (--speed-hidden x --speed-layers) or the 7B models' geometry")
     group.add_argument("--speed-batches", default="1,8", help="batch sizes (samples are ragged beyond 1)")
-    group.add_argument("--speed-new-tokens", type=int, default=32, help="tokens generate() produces (e.g. 32, 256)")
+    group.add_argument("--speed-new-tokens", type=int_range(2, 1 << 16), default=32,
+                       help="tokens generate() produces, 2 or more (e.g. 32, 256)")
     group.add_argument("--speed-memory", default="auto", choices=("auto", "off"),
                        help="peak memory: auto (CUDA allocator / CPU RSS in a fresh subprocess) or off")
     group.add_argument("--speed-syncs", default="on", choices=("on", "off"), help="count host syncs in the warm-up")
-    group.add_argument("--speed-max-spread", type=float, default=1.25,
-                       help="flag rows whose p80/p20 (baseline or pruned, end to end) exceeds this")
-    group.add_argument("--speed-budget-s", type=float, default=0.0,
+    group.add_argument("--speed-max-spread", type=number_range(1.0), default=1.25,
+                       help="flag rows whose p80/p20 (baseline or pruned, end to end) exceeds this, >= 1")
+    group.add_argument("--speed-budget-s", type=number_range(0.0), default=0.0,
                        help="start no new geometry x batch block after this many seconds (0: no limit)")
 
 
@@ -109,6 +112,9 @@ def plan_from(args: argparse.Namespace) -> dict:
     if args.repeats < 1 or args.speed_new_tokens < 2:
         raise ValueError(f"--repeats {args.repeats} / --speed-new-tokens {args.speed_new_tokens}: need at least 1 "
                          "repeat (5+ for meaningful p20/p80) and 2 new tokens (one decode step).")
+    from vtprune.eval.accuracy.bench import known_methods
+
+    known_methods([m for m in args.methods.split(",") if m])
     methods = [m for m in args.methods.split(",") if m and m not in ("none", "oracle")]
     if "oracle" in args.methods.split(","):
         print("[speed] skipping 'oracle': it needs evidence masks, which the speed proxies do not have")
@@ -129,11 +135,14 @@ def run_speed(args: argparse.Namespace) -> Path:
     from vtprune.eval.speed.proxy import build_model, lm_geometry
     from vtprune.eval.speed.report import write_report
 
+    from vtprune.cli.checks import check_output_dir
+    from vtprune.cli.outputs import check_new_results
+
     _fill_defaults(args)
     plan = plan_from(args)
+    out = check_new_results(check_output_dir(args.out), ("speed.csv", "speed.md"), getattr(args, "force", False))
     if args.threads:
         torch.set_num_threads(args.threads)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "speed.csv"
     started, rows, skipped, memory_jobs = time.time(), [], [], []

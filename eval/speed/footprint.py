@@ -74,15 +74,43 @@ def measure(model, inputs: dict, case: str, calls: int, new_tokens: int) -> dict
         handle.remove()
 
 
+def case_list(text: str) -> list[str]:
+    """argparse type: comma-separated ``METHOD`` or ``METHOD@LAYER`` cases of methods vtprune has."""
+    from vtprune.cli.checks import name_list
+    from vtprune.methods import list_methods
+
+    cases = name_list(text).split(",")
+    for case in cases:
+        method, at, layer = case.partition("@")
+        if method.split("+")[0] not in list_methods():
+            raise argparse.ArgumentTypeError(f"unknown method {method!r} in {case!r}; see `vtprune info`")
+        if at and not layer.isdigit():
+            raise argparse.ArgumentTypeError(f"{case!r}: the layer after '@' must be an integer >= 0, e.g. random@0")
+    return cases
+
+
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from vtprune.cli.checks import OneLineParser, check_output_dir, int_range
+    from vtprune.cli.outputs import add_force_argument, check_new_results
+
+    parser = OneLineParser(prog="vtprune bench footprint", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded LLaVA")
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--calls", type=int, default=1000, help="prefills before the memory is measured")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="runs/footprint")
+    parser.add_argument("--methods", type=case_list, default=",".join(METHODS),
+                        help="comma-separated methods, METHOD@LAYER to prune at LAYER")
+    parser.add_argument("--calls", type=int_range(1, 10_000_000), default=1000,
+                        help="prefills before the memory is measured")
+    parser.add_argument("--new-tokens", type=int_range(2, 4096), default=32, help="tokens of the timed decode")
+    parser.add_argument("--threads", type=int_range(1, 1024), default=2, help="torch CPU threads")
+    parser.add_argument("--out", default="runs/footprint", help="output folder (footprint.csv, footprint.md)")
+    add_force_argument(parser)
     args = parser.parse_args(argv)
+    from vtprune.models.loading import check_model_spec
+
+    try:
+        check_model_spec(args.model)
+        out = check_new_results(check_output_dir(args.out), ("footprint.csv", "footprint.md"), args.force)
+    except ValueError as error:
+        parser.error(str(error))
     import transformers
 
     from vtprune.models.loading import load, model_label
@@ -93,11 +121,10 @@ def main(argv: list[str] | None = None) -> Path:
     model, processor = load(args.model, device="cpu")
     sample = make_split("test", 1)[0]
     inputs = build_inputs(processor, [sample.image], [sample.questions[0].text], model.config.model_type)
-    rows = [measure(model, inputs, case, args.calls, args.new_tokens) for case in args.methods.split(",")]
+    rows = [measure(model, inputs, case, args.calls, args.new_tokens) for case in args.methods]
     conditions = {"model": model_label(args.model), "device": "cpu", "threads": args.threads, "batch_size": 1,
                   "torch": torch.__version__, "transformers": transformers.__version__,
                   **git_state(), "weights_sha": weights_fingerprint(model)}
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with (out / "footprint.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*rows[0], *conditions])

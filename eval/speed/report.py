@@ -25,6 +25,30 @@ def read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def check_speed_csv(path: Path, flag: str) -> list[str]:
+    """The columns of the speed CSV at ``path``; a :class:`UserError` naming it when it is not one (no rows read)."""
+    from vtprune.eval.speed.bench import COLUMNS
+
+    from vtprune.errors import UserError
+
+    path = Path(path)
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "not there"
+        raise UserError(f"{flag} {str(path)!r} is {what}; give the speed.csv a `vtprune bench --speed` run wrote.")
+    try:
+        with path.open(newline="") as f:
+            fields = next(csv.reader(f), [])
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise UserError(f"{flag} {str(path)!r} is not a CSV file ({error}); give the speed.csv of a "
+                        "`vtprune bench --speed` run.") from None
+    missing = [column for column in COLUMNS if column not in fields]
+    if missing:
+        raise UserError(f"{flag} {str(path)!r} is not a speed CSV of this vtprune (no column {missing[0]!r}"
+                        f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); give the speed.csv of a "
+                        "`vtprune bench --speed` run.")
+    return fields
+
+
 def _f(value, default: float = float("nan")) -> float:
     try:
         return float(value)
@@ -222,7 +246,10 @@ def merge_csvs(paths: list[Path], target: Path) -> None:
         with Path(path).open() as f:
             reader = csv.DictReader(f)
             if fields is not None and reader.fieldnames != fields:
-                raise SystemExit(f"{path}: its columns differ from {paths[0]}; rerun both with the same vtprune.")
+                from vtprune.errors import UserError
+
+                raise UserError(f"--merge {str(path)!r}: its columns differ from {str(paths[0])!r}; rerun both with "
+                                "the same vtprune.")
             fields = list(reader.fieldnames or [])
             rows += list(reader)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -233,17 +260,35 @@ def merge_csvs(paths: list[Path], target: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from vtprune.cli.checks import OneLineParser, check_output_dir, number_range
+
+    parser = OneLineParser(prog="vtprune bench speed-report", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="folder holding speed.csv (outputs land there)")
-    parser.add_argument("--max-spread", type=float, default=1.25)
+    parser.add_argument("--max-spread", type=number_range(1.0), default=1.25,
+                        help="flag rows whose p80/p20 exceeds this, >= 1 (default 1.25)")
     parser.add_argument("--merge", type=Path, nargs="+", default=None,
                         help="first concatenate these speed.csv files (same columns) into <folder>/speed.csv")
+    parser.add_argument("--force", action="store_true",
+                        help="with --merge: replace a speed.csv already in the folder that is not one of the merged "
+                             "files (default: refuse)")
     args = parser.parse_args(argv)
     path = args.folder / "speed.csv"
-    if args.merge:
-        merge_csvs(args.merge, path)
-    if not path.exists():
-        parser.error(f"{path} does not exist; run 'vtprune bench --speed --out {args.folder}' first.")
+    try:
+        check_output_dir(args.folder, "folder")
+        if args.merge:
+            for given in args.merge:
+                check_speed_csv(given, "--merge")
+            merged = {given.resolve() for given in args.merge}
+            if path.exists() and path.resolve() not in merged and not args.force:
+                raise ValueError(f"{str(path)!r} already exists and is not one of the --merge files; give another "
+                                 "folder, add it to --merge, or --force to replace it.")
+            merge_csvs(args.merge, path)
+        elif not path.exists():
+            raise ValueError(f"{str(path)!r} does not exist; run 'vtprune bench --speed --out {args.folder}' first.")
+        check_speed_csv(path, "folder")
+    except ValueError as error:
+        parser.error(str(error))
     write_report(path, args.folder, args.max_spread)
     print(f"wrote {args.folder / 'speed.md'} and plots")
     return 0

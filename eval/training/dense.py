@@ -17,6 +17,7 @@ moments, fp16 best weights, step, elapsed time, learning curve).
 from __future__ import annotations
 
 import argparse
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -255,12 +256,27 @@ def compact_checkpoint(src: str | Path, dst: str | Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """``vtprune bench train-dense compact SRC DST``: write the git checkpoint."""
-    p = argparse.ArgumentParser(description=main.__doc__)
+    from vtprune.cli.checks import OneLineParser, check_output_file
+    from vtprune.cli.outputs import check_new_file
+
+    p = OneLineParser(prog="vtprune bench train-dense", description=main.__doc__)
     p.add_argument("command", choices=["compact"])
-    p.add_argument("src", type=Path)
-    p.add_argument("dst", type=Path)
+    p.add_argument("src", type=Path, help="a training checkpoint (ckpt.pt of the workdir)")
+    p.add_argument("dst", type=Path, help="where to write the compact checkpoint")
+    p.add_argument("--force", action="store_true", help="replace an existing DST (default: refuse)")
     a = p.parse_args(argv)
-    size = compact_checkpoint(a.src, a.dst)
+    try:
+        if not a.src.is_file():
+            raise ValueError(f"SRC {str(a.src)!r} is not a checkpoint file; give the ckpt.pt of a training workdir.")
+        check_output_file(a.dst, "DST")
+        check_new_file(a.dst, a.force, "DST")
+    except ValueError as error:
+        p.error(str(error))
+    try:
+        size = compact_checkpoint(a.src, a.dst)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, RuntimeError) as error:
+        p.error(f"SRC {str(a.src)!r} is not a training checkpoint ({type(error).__name__}: {str(error)[:80]}); give "
+                "the ckpt.pt of a training workdir.")
     print(f"wrote {a.dst} ({size / 2**20:.1f} MiB)")
 
 

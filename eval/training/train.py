@@ -1,6 +1,6 @@
 """Train vtprune's embedded tiny VLM from scratch on CPU on the vtprune-shapes task.
 
-    vtprune bench train --arch llava --minutes 85 --out vtprune/models/vtprune-llava-shapes
+    vtprune bench train --arch llava --minutes 85 --out vtprune/models/vtprune-llava-shapes --force
 
 Recipe (see docs/shapes_task.md and the model card): several questions per image, packed after one copy of
 the image with a mask that lets each question see only the image and itself (so no question reads another's
@@ -13,7 +13,8 @@ The current best checkpoint (by validation accuracy) is exported every ``--expor
 28 px patch, 3x3 ``where3``; :mod:`vtprune.shapes.dense`, :mod:`vtprune.eval.training.dense`); its default
 workdir is ``runs/llava64`` and its export ``runs/llava64/export`` (never the shipped models). Long runs
 go in legs: ``--leg-minutes`` stops a leg with a checkpoint, ``--resume`` (or ``--resume-from FILE``, e.g.
-the committed compact checkpoint) continues it on the same ``--steps`` schedule.
+the committed compact checkpoint) continues it on the same ``--steps`` schedule. A fresh run does not start
+over an earlier run's checkpoint or exported model without ``--force`` (:mod:`vtprune.eval.training.options`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import copy
 import csv
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -32,74 +32,12 @@ import torch
 from vtprune.eval.training import dense as TD
 from vtprune.eval.training import evaluate as E
 from vtprune.eval.training import models as M
+from vtprune.eval.training import options
 from vtprune.eval.training import qwen as Q
 
 from vtprune.models.embedded import EMBEDDED_MODELS
 from vtprune.shapes import task as S
 from vtprune.shapes import video as V
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=["llava", "qwen2_vl"], default="llava")
-    p.add_argument("--task", choices=["shapes", "dense"], default="shapes",
-                   help="task version: shapes (112 px, 16 tokens) or dense (224 px, 64 tokens, LLaVA only)")
-    p.add_argument("--out", type=Path, default=None, help="export folder (default: <workdir>/export; pass vtprune/models/<name> to replace a shipped model)")
-    p.add_argument("--workdir", type=Path, default=None, help="checkpoints/logs (default: .train/<arch>)")
-    p.add_argument("--minutes", type=float, default=None, help="wall-clock training budget")
-    p.add_argument("--steps", type=int, default=None, help="step budget (deterministic schedule)")
-    p.add_argument("--image-size", type=int, default=None, help="training image size in px (112; dense: 224)")
-    p.add_argument("--patch-size", type=int, default=28,
-                   help="LLaVA CLIP patch in px (28: one token per object, as Qwen's merged tokens; 14: fragments)")
-    p.add_argument("--vision-width", type=int, default=128)
-    p.add_argument("--text-width", type=int, default=192)
-    p.add_argument("--layers", type=int, default=4, help="layers of the vision tower and of the LM (dense)")
-    p.add_argument("--curriculum-steps", type=int, default=1500,
-                   help="dense: scene difficulty ramps 0 -> 1 over these steps (0: full difficulty from the start)")
-    p.add_argument("--init-from", type=Path, default=None,
-                   help="dense: start from an exported tiny LLaVA's weights (tiny_dense.warm_start), e.g. the 16-token one")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--aux-weight", type=float, default=1.0)
-    p.add_argument("--digit-readout", type=float, default=0.0,
-                   help="dense: weight of the loss that makes the LM output at digit tokens name the digit")
-    p.add_argument("--read-weight", type=float, default=1.0,
-                   help="dense: loss weight of number answers (tiny_dense.upweight_long_answers)")
-    p.add_argument("--aux-balanced", action="store_true",
-                   help="dense: each aux head weighs its labelled patches as much as the background ones")
-    p.add_argument("--video-clips", type=int, default=None,
-                   help="video clips per step, each question asked as letter and open-ended "
-                        "(default 4 for qwen2_vl, 0 for llava)")
-    p.add_argument("--val-clips", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--export-every", type=float, default=5.0, help="minutes between eval+export")
-    p.add_argument("--val-images", type=int, default=60)
-    p.add_argument("--test-images", type=int, default=200)
-    p.add_argument("--resume", action="store_true", help="continue from <workdir>/ckpt.pt")
-    p.add_argument("--resume-from", type=Path, default=None,
-                   help="continue from this checkpoint file (e.g. the committed compact one) when the workdir has none")
-    p.add_argument("--finish", action="store_true",
-                   help="with --resume: train no further; test the best checkpoint and export it as finished")
-    p.add_argument("--leg-minutes", type=float, default=None,
-                   help="stop this process after so many training minutes, checkpoint saved, no test (resume later)")
-    a = p.parse_args(argv)
-    a.argv = list(sys.argv[1:] if argv is None else argv)  # the options, for the model card's command line
-    if a.image_size is None:
-        a.image_size = 224 if a.task == "dense" else 112
-    if a.task == "dense" and a.arch != "llava":
-        p.error("--task dense trains the LLaVA architecture (--arch llava)")
-    if a.minutes is None and a.steps is None:
-        p.error("give --minutes and/or --steps")
-    if a.finish and not (a.resume or a.resume_from):
-        p.error("--finish tests a checkpoint: give --resume (or --resume-from FILE)")
-    if a.video_clips is None:
-        a.video_clips = 4 if a.arch == "qwen2_vl" else 0
-    if a.video_clips and a.arch == "llava":
-        p.error("--video-clips needs --arch qwen2_vl (the LLaVA model is single-image)")
-    return a
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -332,11 +270,17 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, flush=True)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's options (:func:`vtprune.eval.training.options.parse_args`)."""
+    return options.parse_args(argv, __doc__)
+
+
 def run(args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
     dense = args.task == "dense"
     workdir = args.workdir or (TD.DENSE_RUN_DIR if dense else Path(".train") / args.arch)
     out = args.out or workdir / "export"  # never over the shipped models unless asked
+    options.check_outputs(args, workdir, out)
+    torch.set_num_threads(args.threads)
     workdir.mkdir(parents=True, exist_ok=True)
     tr = Trainer(args)
     if args.arch == "llava":
@@ -345,8 +289,6 @@ def run(args: argparse.Namespace) -> None:
     if (args.resume or args.resume_from) and start is not None and Path(start).exists():
         tr.load_ckpt(Path(start))
         log(f"resumed from {start} at step {tr.step} ({tr.elapsed / 60:.1f} min)")
-    elif args.resume_from:
-        raise SystemExit(f"--resume-from {args.resume_from}: no such checkpoint")
     leg_end = tr.elapsed + 60 * args.leg_minutes if args.leg_minutes else math.inf
     log(f"params {sum(p.numel() for p in tr.model.parameters()):,}; out={out}")
     t_last, s_last, last_export = time.time(), tr.step, tr.elapsed
@@ -384,10 +326,14 @@ def run(args: argparse.Namespace) -> None:
     tr.export(out, test_acc=test, status=status)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Train; bad input (e.g. a fresh run over an earlier checkpoint) is one ``error:`` line and exit status 2."""
+    from vtprune.cli import run_reporting_errors
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    run(parse_args(argv))
+    args = parse_args(argv)
+    return run_reporting_errors(lambda: run(args), "vtprune bench train")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

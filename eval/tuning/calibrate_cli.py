@@ -3,11 +3,12 @@ prefixkv``) its PrefixKV profile of per-layer KV eviction ratios.
 
 Examples::
 
-    vtprune calibrate --model embedded:llava --method fastv --out vtprune/models/vtprune-llava-shapes/calibration.json
+    vtprune calibrate --model embedded:llava --method fastv --out vtprune/models/vtprune-llava-shapes/calibration.json --force
     vtprune calibrate --model embedded:llava --method prefixkv --out runs/prefixkv.json   # then profile=FILE
 
 A file named ``calibration.json`` next to a model's ``config.json`` is what ``debias=True`` loads; any
-other path is used with ``debias=PATH`` (``--method fastv+debias`` plus ``debias=PATH`` in Python).
+other path is used with ``debias=PATH`` (``--method fastv+debias`` plus ``debias=PATH`` in Python). An existing
+``--out`` file (or its plot) is replaced only with ``--force``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 from typing import Any
 
 from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range
+from vtprune.cli.outputs import check_new_file
 from vtprune.errors import UserError
 
 
@@ -44,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True,
                         help="output JSON (use it with --debias FILE); a PNG plot is written next to it. Named "
                              "calibration.json inside a model folder, debias=true picks it up")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file and its plot "
+                        "(default: refuse)")
     parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -63,6 +67,8 @@ def command_calibrate(args: argparse.Namespace) -> int:
     if out.suffix.lower() == ".png":
         raise UserError(f"--out {args.out!r}: the plot is written next to the JSON as .png; give a .json path.")
     check_output_file(out.with_suffix(".png"), "--out (its PNG plot)")
+    check_new_file(out, args.force)
+    check_new_file(out.with_suffix(".png"), args.force, "--out's plot")
     check_load(args.model, args.device, args.attn, args.dtype)
     if (args.video or args.images_per_prompt) and args.data is not None:
         raise UserError("--video / --images-per-prompt generate their prompts; they do not take --data.")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from vtprune.cli.checks import ATTN_IMPLEMENTATIONS, DTYPE_NAMES, check_output_file, int_range, keep_fraction
+from vtprune.cli.outputs import check_new_file
 from vtprune.config import PruneConfig, check_keep
 
 if TYPE_CHECKING:  # imported where used: `vtprune tune --help` imports no torch
@@ -149,6 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int_range(0), default=0, help="optuna sampler seed")
     parser.add_argument("--batch-size", type=int_range(1, 4096), default=32, help="prompts per forward pass")
     parser.add_argument("--out", required=True, help="output JSON (use it with `vtprune run --config FILE`)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file (default: refuse)")
     parser.add_argument("--attn", default="sdpa", choices=ATTN_IMPLEMENTATIONS, help="attn_implementation")
     parser.add_argument("--dtype", default="float32", choices=DTYPE_NAMES, help="weights dtype")
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
@@ -160,7 +162,7 @@ def command_tune(args: argparse.Namespace) -> int:
     from vtprune.cli.options import Pruning, check_pruning
     from vtprune.models.loading import check_load, load, model_label
 
-    out = check_output_file(args.out)
+    out = check_new_file(check_output_file(args.out), args.force)
     check_load(args.model, args.device, args.attn, args.dtype)
     check_pruning(Pruning(args.method, args.budget))
     model, processor = load(args.model, args.attn, args.dtype, args.device)

@@ -1,5 +1,5 @@
-"""Bad input of issue 24: each is refused in one line naming the value (or file and field) and the fix, before any
-work; the command line exits with status 2 and prints no usage block or traceback."""
+"""Bad input of files and options: each is refused in one line naming the value (or file and field) and the fix,
+before any work; the command line exits with status 2 and prints no usage block or traceback."""
 
 from __future__ import annotations
 
@@ -275,3 +275,74 @@ def test_a_schedule_for_kv_retention_is_refused_not_ignored():
     model, _ = tiny_model("llava")
     with pytest.raises(ValueError, match="takes no schedule"):
         vtprune.wrap(model, "prefixkv", keep=0.5, schedule="2:0.5")
+
+
+# -- layer indices: integers of any kind, integral numbers; nothing else ------------------------------------------
+@pytest.mark.parametrize("layer", [2, 2.0, "np.int64(2)", "np.int32(2)", "np.float32(2.0)", "torch.tensor(2)"])
+def test_a_layer_may_be_any_integer_scalar_or_integral_number(layer):
+    import numpy as np  # noqa: F401  (the parameters name NumPy and torch scalars)
+
+    value = eval(layer) if isinstance(layer, str) else layer
+    assert PruneConfig(method="fastv", keep=0.5, layer=value).stages == PruneConfig(method="fastv", keep=0.5,
+                                                                                   layer=2).stages
+    model, _ = tiny_model("llava")
+    vtprune.wrap(model, "fastv", keep=0.5, layer=value).remove()
+
+
+@pytest.mark.parametrize("layer", [1.7, "np.float64(1.5)", True, "np.True_", "'2'", float("nan"), "torch.tensor(2.0)"])
+def test_a_layer_that_is_not_an_integer_is_refused(layer):
+    import numpy as np  # noqa: F401
+
+    value = eval(layer) if isinstance(layer, str) else layer
+    with pytest.raises(ValueError, match="must be an integer decoder-layer index"):
+        PruneConfig(method="fastv", keep=0.5, layer=value)
+
+
+def test_a_method_config_file_reads_layers_as_wrap_does(tmp_path):
+    from vtprune.method_config import read_method_config
+
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"method": "fastv", "wrap_options": {"layer": 2.0}}))
+    assert read_method_config(str(path)).options["layer"] == 2.0
+    path.write_text(json.dumps({"method": "fastv", "wrap_options": {"layer": 2.5}}))
+    with pytest.raises(UserError, match=r"field 'wrap_options.layer'.*integer decoder-layer index, got 2.5"):
+        read_method_config(str(path))
+
+
+# -- video runs take the image options -----------------------------------------------------------------------------
+def test_video_pruning_takes_rounding_and_parity():
+    from vtprune.gridprobe.run import method_config
+
+    config = method_config("fastv", 0.25, "global", rounding="per_image", parity="release", layer=1)
+    assert (config.rounding, config.parity, config.options) == ("per_image", "release", {})
+    framed = method_config("fastv", 0.25, "per_frame", rounding="per_image")
+    assert framed.rounding == "per_image" and framed.options == {"base": "fastv", "base_options": {}}
+
+
+@pytest.mark.parametrize("extra", [("--rounding", "per_image"), ("--parity", "release")])
+def test_vtprune_run_video_with_rounding_or_parity_answers(cli, tmp_path, extra):
+    pytest.importorskip("av")
+    clip = tmp_path / "clip.mp4"
+    assert cli("sample", "--video", str(clip))[0] == 0
+    code, out, err = cli("run", "--video", str(clip), "--question", "What color is the circle?", "--frames", "4",
+                         "--json", *extra)
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["options"] == {extra[0].removeprefix("--"): extra[1]} and record["answer"]
+    assert record["answer_kept_tokens"] < record["answer_visual_tokens"]
+
+
+def test_demo_errors_name_the_command_that_was_run(cli, capsys):
+    """``vtprune demo`` errors read ``vtprune: error:``, ``python demos/app.py`` errors name that script."""
+    from vtprune.demo.cli import load_demo_module
+
+    code, _, err = cli("demo", "--model", "/no/such")
+    assert code == 2 and err.startswith("vtprune: error: --model '/no/such'") and "demos/app.py" not in err, err
+    app = load_demo_module("app")
+    with pytest.raises(SystemExit) as stop:
+        app.main(["--port", "0"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("python demos/app.py: error: argument --port") and _one_line(err)
+    assert app.main(["--model", "/no/such"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python demos/app.py: error: --model '/no/such'") and _one_line(err), err

@@ -109,7 +109,7 @@ BENCH_CASES = [
     (["--keep", ""], "--keep: expected comma-separated keep fractions"),
     (["--keep", "0.5,2"], "keep must be in (0, 1]"),
     (["--methods", ","], "--methods: expected comma-separated names"),
-    (["--methods", "nope"], "names no known method"),
+    (["--methods", "nope"], "unknown method 'nope'"),
     (["--images", "0"], "--images: must be between 1"),
     (["--batch-size", "0"], "--batch-size: must be between 1"),
     (["--timing-samples", "0"], "--timing-samples: must be between 1"),

@@ -1,4 +1,4 @@
-"""``vtprune --help`` and ``import vtprune`` import no torch (issue 26, target 5); the lazily registered
+"""``vtprune --help`` and ``import vtprune`` import no torch; the lazily registered
 commands are the same commands with the same help. Each check runs in a fresh interpreter."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Long visual contexts (issue 19): multi-image prompts, token evidence over frames, the long benchmark.
+"""Long visual contexts: multi-image prompts, token evidence over frames, the long benchmark.
 
 Independent references: which image a visual token belongs to is read from the prompt's own token ids
 (Qwen: runs of image tokens between vision delimiters; LLaVA: a fixed number of tokens per image from the

@@ -1,4 +1,4 @@
-"""``eval/`` by concern (issue 26, target 4): the flat modules moved into subpackages, their old paths still
+"""``eval/`` by concern: the flat modules moved into subpackages, their old paths still
 import for one release (the same module object, a ``DeprecationWarning``), ``python -m OLD`` still runs the
 main, CHANGELOG.md lists every move, and the former ``python -m`` mains are kinds of ``vtprune bench``."""
 
@@ -52,11 +52,13 @@ def test_every_old_path_warns_and_is_the_moved_module():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_an_old_python_m_command_runs_the_moved_main():
-    result = _python("-W", "always::DeprecationWarning", "-m", "vtprune.eval.long_debias", "--help")
+def test_an_old_python_m_command_runs_the_moved_main_and_says_so():
+    """The notice shows under Python's default warning filters (no ``-W``), naming the command to use now."""
+    result = _python("-m", "vtprune.eval.long_debias", "--help")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: vtprune bench long-debias" in result.stdout
     assert "vtprune.eval.long_debias moved to vtprune.eval.accuracy.long_debias" in result.stderr
+    assert "run `vtprune bench long-debias` instead" in result.stderr
 
 
 def test_the_changelog_lists_every_moved_path():

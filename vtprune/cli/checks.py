@@ -75,6 +75,26 @@ def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
     return parse
 
 
+def number_range(low: float | None = None, high: float | None = None, above: bool = False) -> Callable[[str], float]:
+    """argparse type factory: a finite number ``>= low`` (``> low`` with ``above``) and ``<= high``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        too_low = low is not None and (value <= low if above else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            bounds = [f"{'>' if above else '>='} {low:g}" if low is not None else "",
+                      f"<= {high:g}" if high is not None else ""]
+            raise argparse.ArgumentTypeError(f"must be a number {' and '.join(b for b in bounds if b) or 'that is finite'}"
+                                             f", got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def keep_fraction(text: str) -> float:
     """argparse type: a keep fraction in ``(0, 1]``."""
     try:
@@ -163,7 +183,7 @@ def exposure_warning(host: str, share: bool) -> str | None:
 def check_port(host: str, port: int) -> None:
     """Refuse a port outside 1..65535 or one that another process already listens on."""
     if not 0 < port < 65536:
-        raise UserError(f"--port {port} is not a TCP port; use a number in 1..65535 (default 7860).")
+        raise UserError(f"--port {port} is not a TCP port; use a number in 1..65535.")
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a listener still refuses; TIME_WAIT does not

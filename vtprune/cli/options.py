@@ -74,6 +74,15 @@ def pruning_choice(args: argparse.Namespace) -> Pruning:
     if getattr(args, "debias", None) is not None:
         given["debias"] = debias_option(args.debias)
     given = {k: v for k, v in given.items() if v is not None}
+    if args.method is not None and not args.method.strip():
+        raise UserError("--method is empty; name a method, e.g. --method fastv (`vtprune info` lists them).")
+    if args.schedule:
+        from vtprune.config import parse_schedule, validate_stages
+
+        try:
+            validate_stages(parse_schedule(args.schedule), 1 << 20)  # the depth is checked with the model
+        except ValueError as error:
+            raise UserError(f"--schedule {args.schedule!r}: {error}") from error
     method, keep, options = args.method, args.keep, dict(given)
     if getattr(args, "config", None):
         method, keep, options = _merge_config(args, given)

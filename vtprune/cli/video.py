@@ -141,6 +141,7 @@ def _print_video(r: dict) -> None:
     times = ", ".join(f"{t:.2f}s" for t in r["times_selected"])
     print(f"selected  frames {r['frames_selected']} at [{times}]")
     debias = f", debias {r['debias']}" if r.get("debias") else ""
+    debias += ", parity: release" if r["options"].get("parity") == "release" else ""
     keep = keep_label(r["keep"], r["requested_keep"], r["options"])
     print(f"pruning   {r['method']} {keep} ({r['frame_budget']}{debias}): {r['answer_visual_tokens']} visual tokens "
           f"-> {r['answer_kept_tokens']} kept")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from vtprune.cli.checks import int_range
+from vtprune.cli.checks import OneLineParser, int_range
 from vtprune.errors import install_extra
 
 DEMOS_DIR = Path(__file__).resolve().parents[2] / "demos"  # vtprune/demo/cli.py -> the checkout's demos/
@@ -73,14 +73,18 @@ def demo_parser() -> argparse.ArgumentParser:
     """The parser of ``python demos/app.py``: the same options, help and examples as ``vtprune demo``."""
     from vtprune.cli.help import EPILOGS, HelpFormatter
 
-    parser = argparse.ArgumentParser(prog="python demos/app.py", formatter_class=HelpFormatter,
-                                     epilog=EPILOGS["demo"])
+    parser = OneLineParser(prog="python demos/app.py", formatter_class=HelpFormatter, epilog=EPILOGS["demo"])
     add_demo_options(parser)
     return parser
 
 
 def command_demo(args: argparse.Namespace) -> int:
-    """Build the app for ``--model`` and serve it until interrupted."""
-    app = load_demo_module("app")
-    return app.main(["--host", args.host, "--port", str(args.port), *(["--model", args.model] if args.model else []),
-                     *(["--device", args.device] if args.device else []), *(["--share"] if args.share else [])])
+    """Build the app for ``--model`` and serve it until interrupted (a bad option: one ``vtprune: error:`` line,
+    before Gradio is imported)."""
+    from vtprune.cli.checks import check_port
+    from vtprune.models.loading import check_device, check_model_spec
+
+    check_port(args.host, args.port)
+    check_model_spec(args.model)
+    check_device(args.device)
+    return load_demo_module("app").serve(args)

@@ -273,13 +273,15 @@ def _count_tokens(model: Any, processor: Any, frame_lists: list[list[Image.Image
 
 
 FRAME_BUDGETS = ("global", "per_frame")
+# PruneConfig fields among the wrap options (the rest are the method's own options)
+CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed", "parity", "rounding", "logits")
 
 
 def method_config(method: str, keep: float, frame_budget: str = "global", **options: Any) -> PruneConfig:
     """The :class:`PruneConfig` of ``method`` with ``frame_budget`` applied (``per_frame`` wraps it)."""
     if frame_budget not in FRAME_BUDGETS:
         raise ValueError(f"frame_budget must be one of {', '.join(FRAME_BUDGETS)}, got {frame_budget!r}.")
-    fields = {k: options.pop(k) for k in ("schedule", "layer", "positions", "debias", "seed") if k in options}
+    fields = {k: options.pop(k) for k in CONFIG_FIELDS if k in options}
     if frame_budget == "global":
         return PruneConfig(method=method, keep=keep, options=options, **fields)
     base, debias = split_method_name(method)

@@ -4,6 +4,11 @@
 exit 2), turns ``embedded:llava`` / ``embedded:qwen2_vl`` into a folder vLLM loads, and runs
 ``python -m vllm.entrypoints.openai.api_server`` in the Python that has vLLM: this one, ``$VTPRUNE_VLLM_PYTHON``,
 or the venv ``scripts/setup_vllm.sh`` makes. Options it does not know go to vLLM unchanged. No vLLM import here.
+
+The port is checked (a TCP port, free on ``--host``) before vLLM starts. The server runs as a child in its own
+process group: SIGTERM / SIGINT (Ctrl-C) to ``vtprune serve`` are forwarded to it and ``vtprune serve`` waits
+until it has exited (``SIGKILL`` after :data:`GRACE_S` seconds), so stopping ``vtprune serve`` frees the port;
+on Linux the child is also terminated if ``vtprune serve`` dies without a chance to forward anything.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from vtprune.cli.checks import check_port, int_range
 from vtprune.errors import UserError
 from vtprune.vllm.settings import IMAGE_METHODS, VllmPruning, check_architecture
 
@@ -28,6 +36,8 @@ examples:
 needs vLLM: pip install -e ".[vllm]" (GPU, in the clone) or bash scripts/setup_vllm.sh (CPU); see
 docs/serving.md."""
 VENV_PYTHON = Path.home() / ".cache" / "vtprune" / "venv-vllm-0.32.0" / "bin" / "python"
+GRACE_S = 30.0  # seconds the server has to exit after a forwarded signal, then SIGKILL
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,10 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video), "
                        "visionzip (LLaVA-1.5, Qwen-VL) or vflowopt (the same families, images; its pre-LLM "
                        "stage, no recycling): the methods vLLM allows")
-    serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept")
-    serve.add_argument("--seed", type=int, default=0, help="seed of --method random")
+    serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept, in (0, 1]")
+    serve.add_argument("--seed", type=int_range(0), default=0, help="seed of --method random")
     serve.add_argument("--host", default="127.0.0.1", help="address the server listens on")
-    serve.add_argument("--port", type=int, default=8000, help="port the server listens on")
+    serve.add_argument("--port", type=int_range(1, 65535), default=8000, help="port the server listens on, 1..65535")
     serve.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
     serve.set_defaults(func=command_serve, passthrough=[])
 
@@ -56,6 +66,9 @@ def vllm_python() -> str:
     """A Python that imports vLLM, or a one-line :class:`UserError` naming the install."""
     given = os.environ.get("VTPRUNE_VLLM_PYTHON")
     if given:
+        if not os.access(given, os.X_OK) or Path(given).is_dir():
+            raise UserError(f"VTPRUNE_VLLM_PYTHON={given!r} is not an executable Python; point it at the python of "
+                            "a venv that has vLLM, or unset it.")
         return given
     if has_vllm():
         return sys.executable
@@ -126,6 +139,8 @@ def embedded_defaults(model: str, given: list[str]) -> list[str]:
 
 
 def command_serve(args: argparse.Namespace) -> int:
+    if not args.dry_run:
+        check_port(args.host, args.port)  # before vLLM spends minutes starting, only to find the port taken
     command = server_command(args, sys.executable if args.dry_run else vllm_python())
     if args.dry_run:
         print(" ".join(command))
@@ -134,4 +149,52 @@ def command_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU (ignored on a GPU)
-    return subprocess.call(command, env=env)
+    return run_server(command, env)
+
+
+def run_server(command: list[str], env: dict[str, str] | None = None, grace_s: float = GRACE_S) -> int:
+    """Run the server ``command`` as a child, forwarding SIGTERM / SIGINT to it; its exit status.
+
+    After a forwarded signal the child has ``grace_s`` seconds to exit before it is killed; either way this
+    returns only once the child is gone (128 + the signal's number after a signal, as a shell reports it).
+    """
+    received: list[tuple[int, float]] = []
+    started: list[subprocess.Popen] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append((signum, time.monotonic()))
+        if started and started[0].poll() is None:
+            started[0].send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        started.append(child)
+        if received:  # a signal came while the child was starting
+            child.send_signal(received[0][0])
+        while child.poll() is None:
+            try:
+                child.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                if received and time.monotonic() - received[0][1] > grace_s and child.poll() is None:
+                    print(f"vtprune: the server did not exit within {grace_s:g} s of the signal; killing it",
+                          file=sys.stderr, flush=True)
+                    child.kill()
+                    child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if received:
+        return 128 + received[0][0]
+    return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): get SIGTERM when ``vtprune serve`` dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
