@@ -99,8 +99,13 @@ def f1(records: list[dict]) -> float:
 
 
 def pope_f1_llava(records: list[dict]) -> float:
-    """The mean over POPE's splits (the documents' ``category``) of each split's F1, as the papers report it."""
+    """The mean over POPE's splits (the documents' ``category``) of each split's F1, as the papers report it
+    (documents without a ``category`` form one split: a warning says so)."""
     splits: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         splits[record["category"]].append(record)
+    if set(splits) == {"all"}:
+        from loguru import logger
+
+        logger.warning("vtprune_pope: the documents carry no 'category' (split); pope_f1_llava is the pooled F1.")
     return sum(f1(split) for split in splits.values()) / len(splits) if splits else 0.0
