@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,6 +55,9 @@ class Adapter:
     tiled_images: bool = False
     #: The forward has no argument carrying original image sizes; padding maps need them from the user.
     image_sizes_from_user: bool = False
+    #: Attributes of the backbone that a prefill sets and a continued cache reads (Qwen-VL's M-RoPE
+    #: ``rope_deltas``): one per model instance in transformers, one per conversation in a wrapped model.
+    conversation_attributes: tuple[str, ...] = ()
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -86,6 +90,16 @@ class Adapter:
     def attn_implementation(self) -> str:
         impl = getattr(self.text_config, "_attn_implementation", None) or "sdpa"
         return impl if isinstance(impl, str) else "sdpa"
+
+    def conversation_state(self) -> dict[str, Any] | None:
+        """The values of :attr:`conversation_attributes` the model holds now (None: the model keeps none)."""
+        if not self.conversation_attributes:
+            return None
+        return {name: getattr(self.backbone, name, None) for name in self.conversation_attributes}
+
+    def set_conversation_state(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self.backbone, name, value)
 
     # -- visual tokens -----------------------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ class Qwen2VLAdapter(Adapter):
     capabilities = frozenset({"attention", "llm_layers", "vit_attention"})
     family = "qwen"
     processor_class = "Qwen2VLProcessor"
+    conversation_attributes = ("rope_deltas",)  # a follow-up's text positions continue from its own prefill's
 
     @property
     def vision_tower(self) -> nn.Module:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +30,14 @@ class Frame:
     call: Any = None
     locked: bool = False
     guarded: bool = False  # claimed by the forward guard, which closes it on a BaseException
+    restore: Callable[[], None] | None = None  # undoes what the forward set on the model (run when it closes)
+
+
+@dataclass(eq=False)
+class Hold:
+    """The model's lock taken by a ``generate()`` call until its first forward takes it (:meth:`CallRegistry.held`)."""
+
+    released: bool = False
 
 
 @dataclass
@@ -39,6 +47,7 @@ class _Local(threading.local):
     last_stats: Any = None
     request: dict[str, Any] = field(default_factory=dict)
     continuing: dict[int, int] = field(default_factory=dict)
+    holds: list[Hold] = field(default_factory=list)
 
 
 class CallRegistry:
@@ -53,9 +62,39 @@ class CallRegistry:
     def enter(self) -> Frame:
         """Start a forward on this thread: take the model's lock and push an empty frame."""
         self._lock.acquire()
+        holds = self._local.holds
+        while holds:  # a generate() held the lock until now, its first forward: the frame holds it from here
+            hold = holds.pop()
+            if not hold.released:
+                hold.released = True
+                self._lock.release()
         frame = Frame(locked=True)
         self._local.frames.append(frame)
         return frame
+
+    @contextmanager
+    def held(self, hold: bool = True) -> Iterator[None]:
+        """Hold the model's lock from here until the next forward on this thread takes it (or this block ends):
+        what ``generate()`` reads and writes on the model before its first forward (Qwen-VL's ``rope_deltas``) is
+        then not changed by another thread in between."""
+        if not hold:
+            yield
+            return
+        self._lock.acquire()
+        mine = Hold()
+        self._local.holds.append(mine)
+        try:
+            yield
+        finally:
+            self._local.holds[:] = [h for h in self._local.holds if h is not mine]
+            if not mine.released:
+                mine.released = True
+                self._lock.release()
+
+    @property
+    def lock(self) -> Any:
+        """The model's re-entrant lock (held by every forward of the wrapped model)."""
+        return self._lock
 
     def claim(self) -> Frame | None:
         """The frame the model's pre-hook just opened for this forward, marked as the forward guard's (or None)."""
@@ -84,9 +123,14 @@ class CallRegistry:
         if not frames:
             return None
         frame = frames.pop()
-        if frame.locked:
-            frame.locked = False
-            self._lock.release()
+        restore, frame.restore = frame.restore, None
+        try:
+            if restore is not None:
+                restore()
+        finally:
+            if frame.locked:
+                frame.locked = False
+                self._lock.release()
         return frame
 
     @property
@@ -119,6 +163,11 @@ class CallRegistry:
         if entry is None or entry[0]() is not cache:
             return None
         return entry[1]
+
+    def serving(self, cache: Any) -> bool:
+        """Whether the forward running on this thread continues the call bound to ``cache``."""
+        call = self.lookup(cache)
+        return call is not None and self.current() is call
 
     def unbind(self, cache: Any) -> None:
         with self._lock:
@@ -176,3 +225,18 @@ class CallRegistry:
         with self._lock:
             self._by_cache.clear()
         self._local.pending = {}
+
+
+def cache_of(kwargs: dict) -> Any:
+    """The KV cache a forward was given (``cache``, or ``past_key_values`` before transformers 5.24), or None."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def cache_of_output(output: Any) -> Any:
+    """The KV cache a forward returned, or None."""
+    for name in ("cache", "past_key_values"):
+        cache = getattr(output, name, None) if not isinstance(output, dict) else output.get(name)
+        if cache is not None and hasattr(cache, "get_seq_length"):
+            return cache
+    return None

@@ -26,8 +26,9 @@ from torch import nn
 
 from vtprune import decode, guards, kv, outputs, prefill
 from vtprune.adapters.base import Adapter
-from vtprune.calls import CallRegistry
+from vtprune.calls import CallRegistry, cache_of, cache_of_output
 from vtprune.config import PruneConfig
+from vtprune.errors import UserError
 from vtprune.layout import visual_ordinals
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.debias import Debiased
@@ -183,7 +184,7 @@ class PruneHandle:
                 self._hooks.append(capture.module.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._hooks.append(capture.module.register_forward_hook(hook, with_kwargs=True))
-        self._guards = guards.install(self.model, self.calls)
+        self._guards = guards.install(self.model, self.calls, self.adapter)
 
     # -- whole-model hooks --------------------------------------------------------------------------
     def _model_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -204,16 +205,23 @@ class PruneHandle:
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         if input_ids is None:
             return
-        cache = _cache_of(kwargs)
+        cache = cache_of(kwargs)
         if cache is not None and cache.get_seq_length() > 0:
             frame.call = self._continue(cache, kwargs)
+            frame.restore = guards.adopt(self.adapter, frame.call, self.calls)  # undone as the frame closes
             total = self.calls.take_total(cache)
             fixed = decode.unseen_tokens(frame.call, kwargs, total) if frame.call is not None else None
             return None if fixed is None else (args, fixed)
+        if cache is not None:  # an empty cache holds no conversation (a reset one may still be bound or marked)
+            self.calls.unbind(cache)
+            guards.unmark(cache)
         # Whether the prompt has visual tokens (and how many) is read at the LM pre-hook, in the prefill's one
         # transfer from the device; a call without any is abandoned there.
         frame.call = self._new_call(input_ids, self.adapter.visual_mask(input_ids), kwargs, pending)
         frame.call.cache_problem = guards.cache_problem(cache)
+        if self.config.logits == "input" and self.plan.kv is None:  # the call's own copies: see _lm_post_hook
+            frame.call.labels = outputs.own_labels(kwargs)
+            return (args, {**kwargs, **frame.call.labels}) if frame.call.labels else None
 
     def _continue(self, cache: Any, kwargs: dict) -> CallState | None:
         """The call whose decode state ``cache`` holds (a decode step or a follow-up turn), or None."""
@@ -223,6 +231,8 @@ class PruneHandle:
                 "(a follow-up turn with new images). Start a new cache, or remove the handle for this call."
             )
         call = self.calls.lookup(cache)
+        if call is None and guards.held_elsewhere(cache, self.calls):
+            raise UserError(guards.PRUNED_CACHE_MESSAGE)
         if call is not None:
             call.decoding, call.decode_columns, call.step = True, None, {}
         return call
@@ -262,7 +272,7 @@ class PruneHandle:
         if stats.timer is not None:
             stats.timer.stop()
         ran = bool(call.views)
-        cache = _cache_of_output(output) or _cache_of(kwargs) if output is not None else None
+        cache = cache_of_output(output) or cache_of(kwargs) if output is not None else None
         if ran and cache is not None and self.plan.kv is not None:
             kv.evict(self.wiring, call, cache)
         # KV retention without a cache (use_cache=False) evicted nothing: no stats. A plan without stages
@@ -275,9 +285,14 @@ class PruneHandle:
             self.calls.last_stats = stats
             if self.record_indices >= 0 and len(self.stats) > self.record_indices:
                 self.stats[-self.record_indices - 1].kept_indices = None
+        if self.plan.kv is None:  # KV retention knows it in kv.evict
+            call.cache_pruned = any(k < n for row in stats.kept for k, n in zip(row, stats.visual_tokens, strict=True))
         call.finish_prefill(self.plan.positions == "compact")
         if ran and cache is not None:
+            call.model_state = self.adapter.conversation_state()  # this prefill's (Qwen-VL: its rope_deltas)
             self.calls.bind(cache, call)
+            if call.cache_pruned:  # only this wrapping may extend it (guards.PrunedCache)
+                guards.mark_pruned(cache, self.calls)
 
     def _warn_training(self) -> None:
         if not self._warned_training:
@@ -306,7 +321,10 @@ class PruneHandle:
         hidden = outputs.last_hidden(output)
         if hidden is None:
             return None
-        return outputs.set_output_rows(output, outputs.to_input_layout(hidden, _kept_positions(call), call.visual))
+        positions = _kept_positions(call)
+        if call.labels:  # a label after a pruned visual token has no row to predict it (NaN): ignored by the loss
+            outputs.ignore_unpredicted(call.labels, positions, call.visual)
+        return outputs.set_output_rows(output, outputs.to_input_layout(hidden, positions, call.visual))
 
 
 class EagerHook:
@@ -369,15 +387,3 @@ def _kept_positions(call: CallState) -> torch.Tensor:
     view = call.views[-1]
     return outputs.final_positions(view.index, view.valid, call.pre_llm_index)
 
-
-def _cache_of(kwargs: dict) -> Any:
-    cache = kwargs.get("cache")
-    return cache if cache is not None else kwargs.get("past_key_values")
-
-
-def _cache_of_output(output: Any) -> Any:
-    for name in ("cache", "past_key_values"):
-        cache = getattr(output, name, None) if not isinstance(output, dict) else output.get(name)
-        if cache is not None and hasattr(cache, "get_seq_length"):
-            return cache
-    return None

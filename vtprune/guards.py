@@ -10,12 +10,15 @@ long the conversation given to a ``generate()`` that continues a pruned cache is
 the engine feeds the language model only the tokens the cache has not seen even when ``generate()`` dropped an
 all-ones attention mask; the seen tokens' ``mm_token_type_ids`` are marked text there, so that Qwen-VL's
 ``generate()`` does not take a seen image beyond the pruned cache's length for a new one (:func:`seen_tokens_as_text`).
+A continued call gets its own per-conversation model state back (Qwen-VL's ``rope_deltas``, :func:`adopt`). A cache a
+prefill pruned is marked (:class:`PrunedCache`): only the wrapping that pruned it may extend it.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from vtprune.calls import CallRegistry
@@ -29,6 +32,11 @@ ASSISTED = {
     "use_mtp": "multi-token-prediction decoding (use_mtp=True)",
 }
 COPY_MESSAGE = "a model wrapped by vtprune cannot be copied or pickled; call handle.remove() first."
+PRUNED_CACHE_MESSAGE = (
+    "vtprune: this KV cache was pruned by a vtprune wrapping that no longer holds its conversation (after "
+    "handle.remove(), another wrap(), a copy of the cache, or another model): its layers lack the pruned tokens, so "
+    "continuing it would give wrong answers; start the conversation again (the whole prompt with its images, a new "
+    "cache).")
 
 
 def cache_problem(cache: Any) -> str | None:
@@ -69,6 +77,8 @@ def generate_problem(model: Any, calls: CallRegistry, kwargs: dict) -> str | Non
     cannot keep exact, or None. Only calls that prune (images, or a cache continuing a call of ``calls``) are
     checked."""
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if cache is not None and held_elsewhere(cache, calls):
+        return PRUNED_CACHE_MESSAGE
     prunes = any(kwargs.get(k) is not None for k in PIXEL_KEYS) or (
         cache is not None and calls.lookup(cache) is not None)
     if not prunes:
@@ -103,9 +113,9 @@ class _Guard:
     """A callable wrapping one bound method of one model instance; copying or pickling it is refused. ``calls``:
     the wrapping's per-call state (None once removed: the guard then passes every call through)."""
 
-    def __init__(self, model: Any, calls: CallRegistry, wrapped: Any) -> None:
+    def __init__(self, model: Any, calls: CallRegistry, wrapped: Any, adapter: Any = None) -> None:
         functools.update_wrapper(self, wrapped)  # name, docstring and ``__wrapped__`` (inspect.signature)
-        self.model = model
+        self.model, self.adapter = model, adapter
         self.calls: CallRegistry | None = calls
         self.wrapped = wrapped
         self.name: str = ""
@@ -144,15 +154,49 @@ class GenerateGuard(_Guard):
         if problem is not None:
             raise UserError(problem)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        call = calls.lookup(cache) if cache is not None else None
+        adapter = self.adapter
+        # The model's per-instance conversation state (Qwen-VL's rope_deltas) is read and written by generate()
+        # before its first forward: hold the model's lock until then, and give a continued call its own state.
+        with calls.held(adapter is not None and adapter.conversation_attributes != ()):
+            restore = adopt(adapter, call, calls)
+            try:
+                return self._generate(calls, cache, call, args, kwargs)
+            finally:
+                restore()
+
+    def _generate(self, calls: CallRegistry, cache: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         tokens = kwargs.get("input_ids", args[0] if args else kwargs.get("inputs"))
         if tokens is None:
             tokens = kwargs.get("inputs_embeds")
-        call = calls.lookup(cache) if cache is not None else None
         if tokens is None or call is None:
             return self.wrapped(*args, **kwargs)
         kwargs = seen_tokens_as_text(cache, call.prompt_length + call.decoded, kwargs)
         with calls.continuing(cache, tokens.shape[1]):
             return self.wrapped(*args, **kwargs)
+
+
+def adopt(adapter: Any, call: Any, calls: CallRegistry) -> Callable[[], None]:
+    """Give the model ``call``'s own conversation state (Qwen-VL: the ``rope_deltas`` of its prefill, not of the
+    model's last prefill, which may be another conversation's); returns what puts the previous state back, unless
+    something has replaced the call's state since. A no-op for models without such state or without a call."""
+    state = getattr(call, "model_state", None)
+    if adapter is None or state is None:
+        return _nothing
+    previous = adapter.conversation_state()
+    adapter.set_conversation_state(state)
+
+    def restore() -> None:
+        with calls.lock:
+            now = adapter.conversation_state()
+            if all(now[name] is value for name, value in state.items()):
+                adapter.set_conversation_state(previous)
+
+    return restore
+
+
+def _nothing() -> None:
+    return None
 
 
 def seen_tokens_as_text(cache: Any, seen: int, kwargs: dict) -> dict:
@@ -174,15 +218,64 @@ def seen_tokens_as_text(cache: Any, seen: int, kwargs: dict) -> dict:
     return {**kwargs, "mm_token_type_ids": types}
 
 
-def install(model: Any, calls: CallRegistry) -> list[weakref.ref]:
+class PrunedCache:
+    """The ``update`` of one pruned KV cache (an attribute of that cache instance; its class is untouched): the
+    cache grows only inside a forward of the wrapping that pruned it, on the call bound to it. Any other model or
+    wrapping (``handle.remove()``, a new ``wrap()``, a never-wrapped model) is refused at its first layer, before
+    the cache changes, with :data:`PRUNED_CACHE_MESSAGE`; an emptied cache (``reset()``) is unmarked and grows.
+    The mark holds weak references only: it keeps neither the cache nor the wrapping alive."""
+
+    def __init__(self, cache: Any, calls: CallRegistry | None) -> None:
+        import torch
+
+        self.cache = weakref.ref(cache)
+        self.calls = None if calls is None else weakref.ref(calls)
+        self.run = torch.compiler.disable(self.extend)  # torch.compile runs it as written (a graph break)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+    def extend(self, *args: Any, **kwargs: Any) -> Any:
+        """The cache's own ``update``, when the forward running on this thread continues the cache's call."""
+        cache, calls = self.cache(), None if self.calls is None else self.calls()
+        if calls is None or not calls.serving(cache):
+            if cache.get_seq_length() > 0:
+                raise UserError(PRUNED_CACHE_MESSAGE)
+            unmark(cache)
+        return type(cache).update(cache, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> PrunedCache:
+        """A deep copy of a pruned cache is pruned too, and bound to no call: it refuses to grow."""
+        copy = memo.get(id(self.cache()))
+        return self if copy is None else PrunedCache(copy, None)
+
+
+def mark_pruned(cache: Any, calls: CallRegistry) -> None:
+    """Mark ``cache`` as pruned by the wrapping whose per-call state is ``calls`` (see :class:`PrunedCache`)."""
+    cache.__dict__["update"] = PrunedCache(cache, calls)
+
+
+def unmark(cache: Any) -> None:
+    if isinstance(cache.__dict__.get("update"), PrunedCache):
+        del cache.__dict__["update"]
+
+
+def held_elsewhere(cache: Any, calls: CallRegistry) -> bool:
+    """Whether ``cache`` holds pruned entries of a call that the wrapping of ``calls`` does not hold."""
+    mark = getattr(cache, "__dict__", {}).get("update")
+    return isinstance(mark, PrunedCache) and calls.lookup(cache) is None and cache.get_seq_length() > 0
+
+
+def install(model: Any, calls: CallRegistry, adapter: Any = None) -> list[weakref.ref]:
     """Put the two guards on ``model`` (instance attributes), serving the wrapping whose per-call state is
-    ``calls``. Returns weak references for :func:`uninstall`: the model holds its guards, the handle does not
-    (nothing of transformers' is reachable from the handle)."""
+    ``calls`` (``adapter``: the model's, for its per-conversation state). Returns weak references for
+    :func:`uninstall`: the model holds its guards, the handle does not (nothing of transformers' is reachable
+    from the handle)."""
     installed = []
     for name, kind in (("forward", ForwardGuard), ("generate", GenerateGuard)):
         if not callable(getattr(model, name, None)):
             continue
-        guard = kind(model, calls, getattr(model, name))
+        guard = kind(model, calls, getattr(model, name), adapter)
         guard.name, guard.previous = name, model.__dict__.get(name)  # an instance attribute (accelerate's forward)
         object.__setattr__(model, name, guard)
         installed.append(weakref.ref(guard))
@@ -195,7 +288,7 @@ def uninstall(model: Any, installed: list[weakref.ref]) -> None:
         guard = ref()
         if guard is None:
             continue
-        guard.calls = None
+        guard.calls, guard.adapter = None, None
         if model.__dict__.get(guard.name) is guard:
             if guard.previous is None:
                 del model.__dict__[guard.name]

@@ -93,6 +93,7 @@ def evict(wiring: Wiring, call: CallState, cache: Any) -> None:
         if kv.retention.scope != "visual":
             visual_kept.append((kept & view.visual).sum(dim=1))
     call.stats.stage_layers, call.stats.retained_kv = list(range(len(regions))), True
+    call.cache_pruned = any(n < total for row in counts for n, total in zip(row, evictable_counts, strict=True))
     # visual tokens in each layer's cache, per sample (known on the host when only visual tokens are evictable)
     call.stats.kept = counts if kv.retention.scope == "visual" else torch.stack(visual_kept).tolist()
     call.stage_ordinals = ordinals

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 PAD_ROW = -1
+IGNORE_INDEX = -100  # transformers' loss skips labels of this value
+LABEL_KEYS = ("labels", "shift_labels")
 
 
 def final_positions(index: torch.Tensor, valid: torch.Tensor, pre_llm_index: torch.Tensor | None = None
@@ -98,3 +100,32 @@ def check_labels(layout: str, inputs: dict | None) -> None:
             "kept token); wrap with logits='input' (the default), or compute the loss from output.logits mapped by "
             "output.kept_positions."
         )
+
+
+def own_labels(inputs: dict) -> dict[str, torch.Tensor]:
+    """Copies of the call's ``labels`` / ``shift_labels`` tensors, for :func:`ignore_unpredicted` to edit (the
+    caller's tensors stay as they are); empty when the call has none."""
+    return {key: inputs[key].clone() for key in LABEL_KEYS if isinstance(inputs.get(key), torch.Tensor)}
+
+
+def ignore_unpredicted(labels: dict[str, torch.Tensor], positions: torch.Tensor, visual: torch.Tensor) -> None:
+    """Set, in place, the labels that no logit row predicts to ``-100`` (ignored by the loss).
+
+    A pruned visual token has no row (its logits are NaN in the input layout), so the token after it, such as
+    the first text token after an image whose last visual token was pruned, has no prediction: its label would
+    make the loss NaN. labels: ``{"labels": [B, L_in], "shift_labels": [B, L_in]}`` (either); positions:
+    ``[B, R]`` long, the input position of each row (``-1``: none); visual: ``[B, L_in]`` bool.
+    """
+    batch, length = visual.shape
+    has_row = torch.zeros(batch, length + 1, dtype=torch.bool, device=positions.device)
+    target = torch.where(positions >= 0, positions, torch.full_like(positions, length))
+    has_row.scatter_(1, target, True)
+    unpredicting = visual.to(positions.device) & ~has_row[:, :length]  # rows that hold NaN
+    for key, values in labels.items():
+        if values.shape != visual.shape:
+            continue  # transformers reports the mismatch itself
+        rows = unpredicting.to(values.device)
+        if key == "shift_labels":  # shift_labels[i] is predicted by row i
+            values.masked_fill_(rows, IGNORE_INDEX)
+        else:  # labels[i] is predicted by row i - 1
+            values[:, 1:].masked_fill_(rows[:, :-1], IGNORE_INDEX)

@@ -198,6 +198,7 @@ class CallState:
     visual: torch.Tensor | None = None
     ordinal: torch.Tensor | None = None
     method_state: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, torch.Tensor] = field(default_factory=dict)  # the call's own copies of labels= / shift_labels=
     text_counts: list[int] = field(default_factory=list)
     stage_ordinals: list[torch.Tensor] = field(default_factory=list)
     left_padding: bool = True
@@ -218,6 +219,8 @@ class CallState:
     decode_columns: torch.Tensor | None = None
     step: dict[Any, Any] = field(default_factory=dict)
     kv_decode: dict[str, Any] | None = None
+    model_state: dict[str, Any] | None = None  # what the model kept of this prefill (Adapter.conversation_state)
+    cache_pruned: bool = False  # the prefill left the cache without some of its entries (it is marked so)
 
     @property
     def view(self) -> StageView | None:
@@ -229,7 +232,7 @@ class CallState:
         for view in self.views[1:] if not self.regions else ():  # KV retention set its own per-layer regions
             removed = (self.base_count - view.valid.sum(dim=1))[:, None] if compact else None
             self.regions.append(DecodeRegion(valid=view.valid, padded=view.padded, removed=removed))
-        self.inputs, self.segments, self.visual, self.ordinal = None, None, None, None
+        self.inputs, self.segments, self.visual, self.ordinal, self.labels = None, None, None, None, {}
         self.method_state, self.views, self.pending_scores, self.pre_llm_index = {}, [], None, None
         self.stage_ordinals = []
 

@@ -105,6 +105,50 @@ def test_followup_turn_without_padding_equals_the_reference(model_type, method, 
     _check_followup(model_type, method, options, rows=1, mask=mask)
 
 
+def _conversation(model, processor, inputs: dict, question: str) -> tuple:
+    """Turn 1 of one conversation (generate), and a function running its turn 2 on its cache (the turn's logits)."""
+    turn1 = model.generate(**inputs, max_new_tokens=TURN1, min_new_tokens=TURN1, do_sample=False,
+                           suppress_tokens=SUPPRESS, return_dict_in_generate=True)
+
+    def turn2() -> torch.Tensor:
+        follow = processor.tokenizer([question], return_tensors="pt", add_special_tokens=False)["input_ids"]
+        ids = torch.cat([turn1.sequences, follow], 1)
+        extra = {"mm_token_type_ids": _extend(inputs["mm_token_type_ids"], ids.shape[1]),
+                 "image_grid_thw": inputs["image_grid_thw"], _cache_keyword(model): _cache(turn1)}
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=TURN2,
+                             min_new_tokens=TURN2, do_sample=False, suppress_tokens=SUPPRESS, output_logits=True,
+                             return_dict_in_generate=True, **extra)
+        return torch.stack(out.logits, 1)
+
+    return turn1, turn2
+
+
+@pytest.mark.parametrize(("model_type", "method", "options"), [
+    ("qwen2_vl", "random", {"layer": 0}), ("qwen2_vl", "fastv", {}), ("qwen2_vl", "prefixkv", {}),
+    ("qwen2_5_vl", "divprune", {}), ("qwen2_vl", "none", {}),
+])
+def test_qwen_followups_after_another_conversation_equal_each_run_alone(model_type, method, options):
+    """Turn 1 of A, turn 1 of B (another image size: other M-RoPE deltas), then turn 2 of A and of B on one wrapped
+    model: each equals its conversation run alone. transformers keeps one ``rope_deltas`` per model instance (the
+    last prefill's), so A's turn 2 continued from B's (max |dlogit| 0.0026 here, the unwrapped model alike)."""
+    model, processor = _model(model_type)
+    inputs = [tiny_inputs(processor, model_type, [sample]) for sample in _samples(model_type)]
+    questions = [" and the square?", " and the circle?"]
+    with torch.no_grad(), vtprune.apply(model, method, keep=0.5, **options):
+        alone = []
+        for x, question in zip(inputs, questions, strict=True):
+            _, turn2 = _conversation(model, processor, x, question)
+            alone.append(turn2())
+        turns, deltas = [], []
+        for x, question in zip(inputs, questions, strict=True):
+            turns.append(_conversation(model, processor, x, question)[1])
+            deltas.append(model.model.rope_deltas.clone())  # what transformers keeps after each prefill
+        interleaved = [turn2() for turn2 in turns]
+    assert not torch.equal(*deltas)  # else the order could not matter
+    for got, want in zip(interleaved, alone, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_a_followup_with_a_new_image_is_refused():
     model, processor = _model("llava")
     inputs = tiny_inputs(processor, "llava", _samples("llava")[:1])

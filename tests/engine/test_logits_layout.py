@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -243,6 +245,40 @@ def test_decode_steps_and_text_only_calls_carry_no_positions():
     assert prefill.kept_positions.shape[0] == 1 and prefill.logits.shape[1] == batch["input_ids"].shape[1]
     assert not hasattr(step, "kept_positions") and step.logits.shape[1] == 1
     assert not hasattr(plain, "kept_positions")
+
+
+@dataclass(frozen=True)
+class EarliestFirst(vtprune.Scorer):
+    """Keeps each sample's earliest visual tokens: the last visual token of the last image is always pruned."""
+
+    name: ClassVar[str] = "earliest-first"
+
+    def score(self, ctx):
+        return -ctx.ordinal.float()
+
+
+@pytest.mark.parametrize("stage", [{"layer": 0}, {"layer": 2}], ids=["pre-llm", "layer-2"])
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+def test_labels_with_only_the_visual_positions_ignored_give_the_loss_of_the_predicted_tokens(model_type, stage):
+    """LLaVA-style labels (every token but the visual ones and the padding) when an image's last visual token is
+    pruned: the text token after it has no row that predicts it (a NaN row), so its label is ignored and the loss is
+    the mean cross-entropy of every other label, computed here from the returned logits (it was NaN)."""
+    model, processor = _model(model_type)
+    batch = _encode(processor, model_type, _samples(model_type), "right", CONTINUATION)
+    visual = _visual(model, batch["input_ids"])
+    labels = batch["input_ids"].masked_fill(visual | (batch["attention_mask"] == 0), -100)
+    given = labels.clone()
+    with torch.no_grad(), vtprune.apply(model, EarliestFirst(), keep=0.5, **stage):
+        out = model(**batch, labels=labels)
+    assert torch.equal(labels, given)  # the caller's tensor is not edited
+    rows, targets = out.logits[:, :-1].float(), labels[:, 1:]
+    predicted = rows.isfinite().all(dim=-1)
+    unpredicted = (targets != -100) & ~predicted
+    # Exactly the labelled tokens right after a pruned visual token: at least one per sample (its last image's).
+    assert (unpredicted.sum(dim=1) >= 1).all() and visual[:, :-1][unpredicted].all()
+    use = (targets != -100) & predicted
+    expected = torch.nn.functional.cross_entropy(rows[use], targets[use])
+    assert out.loss.isfinite() and float(out.loss) == pytest.approx(float(expected), abs=1e-5)
 
 
 def test_labels_with_the_pruned_layout_are_refused_at_the_call():
