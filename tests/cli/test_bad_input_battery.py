@@ -41,6 +41,9 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--config {dir}", ("dir",)), ("--debias {tmp}/nope.json", ("nope.json",)),
         ("--image {photo} --video {clip}", ("--video",)), ("--options A)x;B)y", ("--options",)),
         ("--parity release --method random", ("random",)), ("--bogus-flag", ("--bogus-flag",)),
+        ("--image {photo}", ("photo.jpg",)), ("--schedule 1:0.5,1:0.25", ("--schedule",)),
+        ("--schedule=", ("--schedule",)), ("--layer 1 --schedule 1:0.5", ("layer",)), ("--sample 1.5", ("1.5",)),
+        ("--max-new-tokens 5000", ("5000",)), ("--keep 0.5 --config {tmp}/missing.json", ("missing.json",)),
     ],
     # vtprune run --video
     "run --video {clip} --question q": [
@@ -49,16 +52,20 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--probe-pixels 10", ("--probe-pixels", "10")), ("--frame-budget bogus", ("bogus",)),
         ("--video-backend bogus", ("bogus",)), ("--route bogus", ("bogus",)),
         ("--selector /no/such/model", ("/no/such/model",)), ("--question=", ("--question",)),
-        ("--model tiny:bogus", ("tiny:bogus",)), ("", ("clip.mp4",)),
+        ("--model tiny:bogus", ("tiny:bogus",)), ("", ("clip.mp4",)), ("--options=", ("--options",)),
+        ("--frames abc", ("abc",)),
     ],
     "run --question q": [("--video {tmp}/missing.mp4", ("missing.mp4",)), ("--video {dir}", ("dir",))],
     "sample": [
         ("", ("--image",)), ("--image {photo}", ("photo.jpg", "--force")), ("--image {dir}", ("dir",)),
         ("--image {tmp}/new.jpg", ("new.jpg",)), ("--video {tmp}/clip.txt", ("clip.txt",)),
         ("--index -1", ("--index", "-1")), ("--index abc", ("--index", "abc")), ("--image=", ("--image",)),
+        ("--index 1.5", ("1.5",)), ("--image {tmp}/a.png --video {tmp}/a.png", ("a.png",)),
         ("--image {file}/x.png", ("x.png",)), ("--video {photo}", ("photo.jpg",)),
     ],
     "info": [("--bogus", ("--bogus",))],
+    "bogus-command": [("", ("bogus-command",))],
+    "--bogus": [("", ("--bogus",))],
     "bench": [
         ("--methods=", ("--methods",)), ("--methods ,", ("--methods",)), ("--methods bogus", ("bogus",)),
         ("--methods fastv,bogus", ("bogus",)), ("--keep=", ("--keep",)), ("--keep 0", ("--keep", "0")),
@@ -67,6 +74,7 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--repeats 0", ("--repeats", "0")), ("--threads -1", ("--threads", "-1")), ("--split bogus", ("bogus",)),
         ("--task bogus", ("bogus",)), ("--out {file}", ("notes.txt",)), ("--model /no/such", ("/no/such",)),
         ("--device cuda", ("cuda",)), ("bogus-kind", ("bogus-kind",)), ("--attn bogus", ("bogus",)),
+        ("--threads abc", ("abc",)), ("--keep 1,abc", ("abc",)), ("long --out {tmp}/x --bogus", ("--bogus",)),
     ],
     "bench speed": [
         ("--speed-tokens bogus", ("bogus",)), ("--speed-batches 0", ("--speed-batches", "0")),
@@ -74,7 +82,7 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--speed-hidden 0", ("--speed-hidden", "0")), ("--speed-layers 0", ("--speed-layers", "0")),
         ("--speed-max-spread 0.5", ("--speed-max-spread", "0.5")), ("--speed-budget-s -5", ("--speed-budget-s", "-5")),
         ("--speed-lm bogus", ("bogus",)), ("--methods bogus", ("bogus",)), ("--layer -1", ("--layer", "-1")),
-        ("--out {file}", ("notes.txt",)), ("--keep 0", ("--keep", "0")),
+        ("--out {file}", ("notes.txt",)), ("--keep 0", ("--keep", "0")), ("--speed-tokens=", ("--speed-tokens",)),
     ],
     "bench video": [
         ("--clips 0", ("--clips", "0")), ("--k 0", ("--k", "0")), ("--k 17", ("--k", "17")),
@@ -87,7 +95,8 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--setting multi --images 0", ("--images", "0")), ("--setting multi --images 17", ("--images", "17")),
         ("--sets 0", ("--sets", "0")), ("--k 0", ("--k", "0")), ("--debias-file {tmp}/nope.json", ("nope.json",)),
         ("--threads 0", ("--threads", "0")), ("--out {file}", ("notes.txt",)), ("--methods=", ("--methods",)),
-        ("--setting multi --methods gridprobe@4", ("gridprobe",)),
+        ("--setting multi --methods gridprobe@4", ("gridprobe",)), ("--frames=", ("--frames",)),
+        ("--keep=", ("--keep",)), ("--split bogus", ("bogus",)), ("--methods fastv@bogus", ("bogus",)),
     ],
     "bench long": [("", ("--out",))],
     "bench long-debias": [
@@ -98,11 +107,13 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--images 0", ("--images", "0")), ("--threads -2", ("--threads", "-2")), ("--methods=", ("--methods",)),
         ("--methods bogus", ("bogus",)), ("--keep 0", ("--keep", "0")), ("--keep 2", ("--keep", "2")),
         ("--out {file}", ("notes.txt",)), ("--model /no/such", ("/no/such",)), ("--images abc", ("abc",)),
+        ("--keep nan", ("nan",)), ("--methods fastv,bogus", ("bogus",)),
     ],
     "bench tower-queries --out {tmp}/q": [
         ("--towers bogus", ("bogus",)), ("--towers=", ("--towers",)), ("--towers random,bogus", ("bogus",)),
         ("--side 3", ("--side", "3")), ("--side 1", ("--side", "1")), ("--repeats 0", ("--repeats", "0")),
-        ("--threads 0", ("--threads", "0")), ("--out {file}", ("notes.txt",)),
+        ("--threads 0", ("--threads", "0")), ("--out {file}", ("notes.txt",)), ("--side 130", ("130",)),
+        ("--repeats 21", ("21",)),
     ],
     "bench tower-queries": [("", ("--out",))],
     "bench footprint": [
@@ -119,7 +130,7 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--threads -1", ("--threads", "-1")), ("--batch 0", ("--batch", "0")), ("--batch 1 -3", ("--batch", "-3")),
         ("--max-gib 0", ("--max-gib", "0")), ("--max-gib -1", ("--max-gib", "-1")), ("--device cuda", ("cuda",)),
         ("--out {file}", ("notes.txt",)), ("--kernels bogus", ("bogus",)), ("--preset bogus", ("bogus",)),
-        ("--batch abc", ("abc",)),
+        ("--batch abc", ("abc",)), ("--kernels", ("--kernels",)),
     ],
     "bench plot-kernels": [
         ("--csv {tmp}/missing.csv", ("missing.csv",)), ("--csv {csv}", ("table.csv",)), ("--out {empty}", ("empty",)),
@@ -130,9 +141,9 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--concurrency 0", ("--concurrency", "0")), ("--concurrency=", ("--concurrency",)),
         ("--requests 0", ("--requests", "0")), ("--max-tokens 0", ("--max-tokens", "0")),
         ("--rounds 0", ("--rounds", "0")), ("--transformers-requests -1", ("--transformers-requests", "-1")),
-        ("--max-model-len 0", ("--max-model-len", "0")), ("--method bogus", ("bogus",)), ("--method fastv", ("fastv",)),
+        ("--max-model-len 0", ("--max-model-len", "0")), ("--method bogus", ("bogus",)), ("--method oracle", ("oracle",)),
         ("--models bogus", ("bogus",)), ("--plot-only {empty}", ("empty",)), ("--out {file}", ("notes.txt",)),
-        ("--dtype float8", ("float8",)),
+        ("--dtype float8", ("float8",)), ("--models=", ("--models",)), ("--keep 1.5", ("1.5",)),
     ],
     "bench train --workdir {tmp}/w": [
         ("--steps -1", ("--steps", "-1")), ("--steps 0", ("--steps", "0")), ("--minutes -1", ("--minutes", "-1")),
@@ -147,7 +158,8 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--steps 1 --test-images 0", ("--test-images", "0")),
         ("--steps 1 --resume-from {tmp}/nope.pt", ("nope.pt",)), ("--steps 1 --init-from {tmp}/nope", ("nope",)),
         ("--steps 1 --out {file}", ("notes.txt",)), ("--steps abc", ("abc",)),
-        ("--steps 1 --video-clips 2", ("--video-clips",)),
+        ("--steps 1 --video-clips 2", ("--video-clips",)), ("--minutes abc", ("abc",)),
+        ("--steps 1 --lr abc", ("abc",)), ("--steps 1 --leg-minutes 0", ("--leg-minutes", "0")),
     ],
     "bench train-dense": [
         ("compact {tmp}/missing.pt {tmp}/dst.pt", ("missing.pt",)), ("compact {file} {tmp}/dst.pt", ("notes.txt",)),
@@ -159,25 +171,29 @@ BATTERY: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("--scope bogus", ("bogus",)), ("--data {tmp}/no_images", ("no_images",)), ("--out {tmp}/c.png", ("c.png",)),
         ("--out {dir}", ("dir",)), ("--video --data {dir}", ("--data",)),
         ("--images-per-prompt 0", ("--images-per-prompt", "0")), ("--video --images-per-prompt 2", ("--video",)),
-        ("--model /no/such", ("/no/such",)),
+        ("--model /no/such", ("/no/such",)), ("--n abc", ("abc",)), ("--data {file}", ("notes.txt",)),
+        ("--data {empty}", ("empty",)),
     ],
     "calibrate": [("", ("--out",))],
     "tune --out {tmp}/t.json": [
         ("--trials 0", ("--trials", "0")), ("--budget 0", ("0",)), ("--method bogus", ("bogus",)),
         ("--n-samples 0", ("--n-samples", "0")), ("--seed -1", ("--seed", "-1")), ("--out {dir}", ("dir",)),
-        ("--batch-size 0", ("--batch-size", "0")), ("--model /no/such", ("/no/such",)),
+        ("--batch-size 0", ("--batch-size", "0")), ("--model /no/such", ("/no/such",)), ("--budget 1.5", ("1.5",)),
+        ("--trials abc", ("abc",)),
     ],
     "tune": [("", ("--out",))],
     "demo": [
         ("--port 0", ("--port", "0")), ("--port 70000", ("--port", "70000")), ("--port abc", ("abc",)),
         ("--model /no/such", ("/no/such",)), ("--port {busy}", ("{busy}",)),
-        ("--host no-such-host.invalid", ("no-such-host.invalid",)),
+        ("--host no-such-host.invalid", ("no-such-host.invalid",)), ("--port -1", ("-1",)),
+        ("--device gpu", ("gpu",)),
     ],
     "serve": [
         ("--port 70000", ("--port", "70000")), ("--port 0", ("--port", "0")), ("--port abc", ("abc",)),
         ("--keep 0", ("0",)), ("--keep abc", ("abc",)), ("--keep nan", ("nan",)), ("--seed -1", ("--seed", "-1")),
-        ("--method bogus", ("bogus",)), ("--method fastv", ("fastv",)), ("/no/such/folder", ("/no/such/folder",)),
+        ("--method bogus", ("bogus",)), ("--method oracle", ("oracle",)), ("/no/such/folder", ("/no/such/folder",)),
         ("--port {busy}", ("{busy}",)), ("--host no-such-host.invalid", ("no-such-host.invalid",)),
+        ("--keep 1.5", ("1.5",)), ("--keep -1", ("-1",)), ("--seed abc", ("abc",)),
     ],
 }
 CASES = [pytest.param(f"{command} {extra}".strip(), needles, id=f"{command} {extra}".strip())

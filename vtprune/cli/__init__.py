@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """Parse a command line; only a command with ``passthrough`` (``serve``: vLLM's options) takes unknown options."""
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        parser.error(f"unrecognized option {argv[0]!r} before the command; write the command first, e.g. "
+                     "`vtprune run --help`")
     args, extra = parser.parse_known_args(argv)
     if extra:
         if getattr(args, "passthrough", None) is None:

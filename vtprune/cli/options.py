@@ -76,6 +76,8 @@ def pruning_choice(args: argparse.Namespace) -> Pruning:
     given = {k: v for k, v in given.items() if v is not None}
     if args.method is not None and not args.method.strip():
         raise UserError("--method is empty; name a method, e.g. --method fastv (`vtprune info` lists them).")
+    if args.schedule is not None and not args.schedule.strip():
+        raise UserError("--schedule is empty; give stages LAYER:KEEP,..., e.g. --schedule 1:0.5,3:0.25, or drop it.")
     if args.schedule:
         from vtprune.config import parse_schedule, validate_stages
 

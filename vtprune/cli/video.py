@@ -57,6 +57,14 @@ def command_run_video(args: argparse.Namespace) -> int:
     from vtprune.cli.checks import check_question
 
     check_question(args.question)
+    if args.options is not None:
+        from vtprune.gridprobe.probe import parse_options
+
+        try:
+            parse_options(args.options)
+        except ValueError as error:
+            message = str(error) if "--options" in str(error) else f"--options {args.options!r}: {error}"
+            raise UserError(f"{message.rstrip('.')}; write e.g. --options 'A) red;B) blue'.") from None
     k = args.gridprobe
     frames = args.frames or (k * k if k else 8)
     args.model = args.model or default_video_spec()
