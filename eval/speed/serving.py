@@ -317,63 +317,9 @@ def plot(out: Path) -> None:
     figure.savefig(out / "serving.png", dpi=120)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    """The run's options; a bad value is one ``error:`` line and exit status 2, before vLLM starts."""
-    from vtprune.cli.checks import OneLineParser, int_range
-
-    parser = OneLineParser(prog="vtprune bench serving", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="proxy576,embedded:llava", help="proxy576, proxy7b, embedded:llava")
-    parser.add_argument("--method", default="divprune", help="the pruned rows' method (divprune or random)")
-    parser.add_argument("--keep", type=float, default=0.25, help="keep fraction of the pruned rows")
-    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
-    parser.add_argument("--requests", type=int_range(1), default=32,
-                        help="requests per level (at least 2 x the level are sent)")
-    parser.add_argument("--max-tokens", type=int_range(1), default=8, help="output tokens per request")
-    parser.add_argument("--transformers-requests", type=int_range(0), default=8,
-                        help="0: skip vtprune's transformers path")
-    parser.add_argument("--rounds", type=int_range(1, 100), default=3, help="alternating rounds per level (median reported)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
-                        help="float32 on a CPU, bfloat16 on a GPU")
-    parser.add_argument("--max-model-len", type=int_range(64), default=1024, help="vLLM's max_model_len")
-    parser.add_argument("--out", default="docs/results/serving", help="folder for CSV, Markdown and plot")
-    parser.add_argument("--force", action="store_true",
-                        help="replace the serving.csv an earlier run left in --out (default: refuse)")
-    parser.add_argument("--plot-only", default=None, help="only redraw the plot of this results folder")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except ValueError as error:
-        parser.error(str(error).removeprefix("vtprune: "))
-    return args
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Levels, method, keep, models and the output folder (``ValueError`` naming the value); sets the levels."""
-    from vtprune.cli.checks import check_output_dir
-    from vtprune.cli.outputs import check_new_results
-    from vtprune.vllm.settings import check_keep, check_method
-
-    if args.plot_only is not None:
-        if not (Path(args.plot_only) / "serving.csv").is_file():
-            raise ValueError(f"--plot-only {args.plot_only!r} holds no serving.csv; give a folder a serving run wrote.")
-        return
-    text = args.concurrency
-    try:
-        args.concurrency = [int(level) for level in text.split(",") if level.strip()]
-    except ValueError:
-        args.concurrency = []
-    if not args.concurrency or min(args.concurrency) < 1:
-        raise ValueError(f"--concurrency {text!r}: give comma-separated levels >= 1, e.g. 1,8,32.")
-    check_method(args.method)
-    check_keep(args.keep, "--keep")
-    for model in args.models.split(","):
-        if model not in PROXY_LM and not model.startswith("embedded:") and not (Path(model) / "config.json").is_file():
-            raise ValueError(f"--models: {model!r} is neither {', '.join(PROXY_LM)}, an embedded:NAME model nor a model "
-                             "folder; e.g. --models proxy576,embedded:llava.")
-    check_new_results(check_output_dir(args.out), ("serving.csv",), args.force)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from vtprune.eval.speed.serving_options import parse
+
     args = parse(argv)
     if args.plot_only:
         plot(Path(args.plot_only))
