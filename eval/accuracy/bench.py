@@ -27,6 +27,7 @@ from vtprune.cli.checks import (
     check_output_dir,
     int_range,
     keep_list,
+    known_methods,
     name_list,
     positive_int,
 )
@@ -86,18 +87,6 @@ def evidence_weights(item: Item, segments) -> torch.Tensor:
 
 def normalise(text: str) -> str:
     return text.strip().lower().rstrip(".").replace(" ", "-")
-
-
-def known_methods(requested: list[str], flag: str = "--methods") -> list[str]:
-    """``requested`` when vtprune has every method (``+debias`` allowed); a :class:`UserError` names the first
-    unknown one and the known names."""
-    from vtprune.methods import list_methods
-
-    known = set(list_methods()) | {"none"}
-    for name in requested:
-        if name.split("+")[0] not in known:
-            raise UserError(f"{flag}: unknown method {name!r}; known: {', '.join(sorted(known))} (see `vtprune info`).")
-    return requested
 
 
 def evaluate(model, processor, items: list[Item], method: str, keep: float, batch_size: int,

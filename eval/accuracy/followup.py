@@ -83,9 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> Path:
     """Methods, model and output folder, checked before any work; the output folder."""
-    from vtprune.eval.accuracy.bench import known_methods
-
-    from vtprune.cli.checks import check_output_dir
+    from vtprune.cli.checks import check_output_dir, known_methods
     from vtprune.cli.outputs import check_new_results
     from vtprune.models.loading import check_model_spec
 

@@ -112,7 +112,7 @@ def plan_from(args: argparse.Namespace) -> dict:
     if args.repeats < 1 or args.speed_new_tokens < 2:
         raise ValueError(f"--repeats {args.repeats} / --speed-new-tokens {args.speed_new_tokens}: need at least 1 "
                          "repeat (5+ for meaningful p20/p80) and 2 new tokens (one decode step).")
-    from vtprune.eval.accuracy.bench import known_methods
+    from vtprune.cli.checks import known_methods
 
     known_methods([m for m in args.methods.split(",") if m])
     methods = [m for m in args.methods.split(",") if m and m not in ("none", "oracle")]

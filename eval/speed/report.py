@@ -18,6 +18,14 @@ from collections import defaultdict
 from pathlib import Path
 
 PARTS = ("prefill", "decode", "e2e")
+# the columns of a speed CSV (vtprune.eval.speed.bench.COLUMNS) that the report reads
+READ = ("geometry", "family", "batch", "visual_tokens", "method", "keep", "status", "spread_ok", "e2e_ms_p20",
+        "e2e_ms_p50", "e2e_ms_p80", "e2e_base_ms_p50", "prefill_base_ms_p50", "decode_base_ms_p50", "decode_ms_p50",
+        *(f"{kind}_{part}" for kind in ("speedup", "predicted") for part in PARTS), "throughput", "kv_bytes",
+        "kv_bytes_predicted", "peak_mem_mb", "hook_overhead_us", "hook_overhead_pct", "hook_time_decode_us",
+        "hook_time_decode_pct", "syncs_prefill_hooks", "syncs_decode_hooks", "syncs_prefill_delta",
+        "syncs_decode_delta", "sync_ops_hooks", "lm_hidden", "lm_layers", "lm_heads", "lm_kv_heads",
+        "lm_intermediate", "lm_vocab", "git_sha", "weights_sha", "date")
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -27,8 +35,6 @@ def read_rows(path: Path) -> list[dict]:
 
 def check_speed_csv(path: Path, flag: str) -> list[str]:
     """The columns of the speed CSV at ``path``; a :class:`UserError` naming it when it is not one (no rows read)."""
-    from vtprune.eval.speed.bench import COLUMNS
-
     from vtprune.errors import UserError
 
     path = Path(path)
@@ -41,7 +47,7 @@ def check_speed_csv(path: Path, flag: str) -> list[str]:
     except (UnicodeDecodeError, csv.Error) as error:
         raise UserError(f"{flag} {str(path)!r} is not a CSV file ({error}); give the speed.csv of a "
                         "`vtprune bench --speed` run.") from None
-    missing = [column for column in COLUMNS if column not in fields]
+    missing = [column for column in READ if column not in fields]
     if missing:
         raise UserError(f"{flag} {str(path)!r} is not a speed CSV of this vtprune (no column {missing[0]!r}"
                         f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}); give the speed.csv of a "

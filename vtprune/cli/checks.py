@@ -124,6 +124,18 @@ def name_list(text: str) -> str:
     return ",".join(items)
 
 
+def known_methods(requested: list[str], flag: str = "--methods") -> list[str]:
+    """``requested`` when vtprune has every method (``+debias`` allowed; ``none`` is the unpruned reference); a
+    :class:`UserError` names the first unknown one and the known names."""
+    from vtprune.methods import list_methods
+
+    known = set(list_methods()) | {"none"}
+    for name in requested:
+        if name.split("+")[0] not in known:
+            raise UserError(f"{flag}: unknown method {name!r}; known: {', '.join(sorted(known))} (see `vtprune info`).")
+    return requested
+
+
 def check_output_file(path: str | Path, flag: str = "--out") -> Path:
     """Refuse an output file path that is a folder or cannot be written (nothing is created here)."""
     target = Path(path).expanduser()
