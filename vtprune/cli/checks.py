@@ -1,6 +1,6 @@
 """Argument checks of the command line, run before any work or model loading (no torch imported here).
 
-argparse ``type=`` callables (:func:`positive_int`, :func:`int_range`, :func:`keep_fraction`,
+argparse ``type=`` callables (:func:`positive_int`, :func:`int_range`, :func:`number_range`, :func:`keep_fraction`,
 :func:`keep_list`, :func:`name_list`) make ``parser.error`` print one line, ``vtprune <cmd>: error: ... (see
 `vtprune <cmd> -h`)``, exit status 2 (:class:`OneLineParser`: no usage block);
 the ``check_*`` functions raise :class:`~vtprune.errors.UserError`, which :func:`vtprune.cli.main` prints as

@@ -39,8 +39,6 @@ def command_sample(args: argparse.Namespace) -> int:
         raise UserError("give --image FILE.png and/or --video FILE.mp4 (where to write the sample).")
     image = _target(args.image, "--image", (".png",), args.force) if args.image is not None else None
     video = _target(args.video, "--video", VIDEO_SUFFIXES, args.force) if args.video is not None else None
-    if image is not None and image == video:
-        raise UserError(f"--image and --video are the same file {args.image!r}; give two names.")
     if image is not None:
         _write_image(image, args.index)
     if video is not None:
