@@ -254,6 +254,8 @@ class PruneHandle:
         )
 
     def _model_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        call = self.calls.current()  # a prefill's model state is read while its forward still holds the lock
+        state = self.adapter.conversation_state() if call is not None and not call.decoding else None
         frame = self.calls.exit()
         call = frame.call if frame is not None else None
         if call is None:
@@ -264,10 +266,11 @@ class PruneHandle:
             if call.kv_decode is not None and output is not None:
                 kv.release_step(self.plan.kv, call)
             return
-        self._finish_prefill(call, kwargs, output)
+        self._finish_prefill(call, kwargs, output, state)
 
-    def _finish_prefill(self, call: CallState, kwargs: dict, output: Any) -> None:
-        """Record the stats, keep the small decode state keyed by the cache, drop everything else."""
+    def _finish_prefill(self, call: CallState, kwargs: dict, output: Any, state: dict | None) -> None:
+        """Record the stats, keep the small decode state keyed by the cache (and ``state``, what the model kept of
+        this prefill: :meth:`Adapter.conversation_state`), drop everything else."""
         stats = call.stats
         if stats.timer is not None:
             stats.timer.stop()
@@ -289,7 +292,7 @@ class PruneHandle:
             call.cache_pruned = any(k < n for row in stats.kept for k, n in zip(row, stats.visual_tokens, strict=True))
         call.finish_prefill(self.plan.positions == "compact")
         if ran and cache is not None:
-            call.model_state = self.adapter.conversation_state()  # this prefill's (Qwen-VL: its rope_deltas)
+            call.model_state = state  # this prefill's (Qwen-VL: its rope_deltas)
             self.calls.bind(cache, call)
             if call.cache_pruned:  # only this wrapping may extend it (guards.PrunedCache)
                 guards.mark_pruned(cache, self.calls)
@@ -386,4 +389,3 @@ def _kept_positions(call: CallState) -> torch.Tensor:
     """``[B, L_kept]``: the input position of each row of the call's pruned layout (-1 on padding rows)."""
     view = call.views[-1]
     return outputs.final_positions(view.index, view.valid, call.pre_llm_index)
-

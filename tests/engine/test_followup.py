@@ -149,6 +149,46 @@ def test_qwen_followups_after_another_conversation_equal_each_run_alone(model_ty
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+def test_a_qwen_followup_keeps_its_positions_while_another_thread_prefills():
+    """generate() reads the model's rope_deltas before its first forward: the generate guard holds the model's lock
+    until then, so another thread's prefill (which writes them) cannot slip in. Thread 1's follow-up is paused
+    there (up to 2 s) while thread 2 starts a prefill; without the lock thread 1 read thread 2's deltas."""
+    import threading
+
+    model, processor = _model("qwen2_vl")
+    a, b = (tiny_inputs(processor, "qwen2_vl", [sample]) for sample in _samples("qwen2_vl"))
+    with torch.no_grad(), vtprune.apply(model, "random", keep=0.5, layer=0):
+        want_a = _conversation(model, processor, a, " and the square?")[1]()
+        want_b = _conversation(model, processor, b, " and the circle?")[1]()
+        turn2 = _conversation(model, processor, a, " and the square?")[1]
+        original = model._prepare_position_ids_for_generation
+        paused, other_done, got = threading.Event(), threading.Event(), {}
+
+        def pausing(*args, **kwargs):
+            if threading.current_thread().name == "followup" and not paused.is_set():
+                paused.set()
+                other_done.wait(timeout=2.0)
+            return original(*args, **kwargs)
+
+        def other() -> None:
+            paused.wait(timeout=10.0)
+            got["b"] = _conversation(model, processor, b, " and the circle?")[1]()
+            other_done.set()
+
+        model._prepare_position_ids_for_generation = pausing  # this instance only; deleted below
+        try:
+            threads = [threading.Thread(target=lambda: got.setdefault("a", turn2()), name="followup"),
+                       threading.Thread(target=other)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60.0)
+        finally:
+            del model._prepare_position_ids_for_generation
+    torch.testing.assert_close(got["a"], want_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got["b"], want_b, atol=1e-5, rtol=0)
+
+
 def test_a_followup_with_a_new_image_is_refused():
     model, processor = _model("llava")
     inputs = tiny_inputs(processor, "llava", _samples("llava")[:1])
