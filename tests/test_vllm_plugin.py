@@ -39,24 +39,49 @@ def test_engine_tests_stay_wired_into_ci():
     assert "scripts/setup_vllm.sh" in script and "tests/vllm" in script
 
 
-@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "dart", "prefixkv"])
-def test_layer_wise_methods_refused_in_one_line(method):
-    with pytest.raises(ValueError, match="prunes inside the language model.*methods that work in vLLM: divprune, "
-                                         "random, temporal") as error:
-        settings.check_method(method)
+@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "ttv", "dart", "fastv+debias", "pdrop+debias",
+                                    "transprune+debias"])
+def test_layer_wise_methods_served(method):
+    assert settings.check_method(method) == method
+    assert settings.VllmPruning.from_dict({"method": method, "keep": 0.25}).layer_wise
+
+
+def test_prefixkv_refused_in_one_line_with_the_reason():
+    with pytest.raises(ValueError, match="prefixkv.*not available in the vLLM plugin.*block table") as error:
+        settings.check_method("prefixkv")
     assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("raw, match", [({"keep": 0}, r"outside \(0, 1\]"), ({"keep": 1.5}, r"outside \(0, 1\]"),
-                                        ({"keep": "x"}, "not a number"), ({"method": "fastv+debias"}, "inside the LM|"
-                                        "prunes inside"), ({"method": "divprune+debias"}, r"\+debias"),
-                                        ({"method": "per_frame"}, "not available in the vLLM plugin yet"),
+                                        ({"keep": "x"}, "not a number"), ({"method": "dart+debias"}, r"\+debias"),
+                                        ({"method": "divprune+debias"}, r"\+debias"),
+                                        ({"method": "divprune", "layer": 2}, "layer-wise methods"),
+                                        ({"method": "fastv", "layer": 0}, "layer=0 must be an integer >= 1"),
+                                        ({"method": "fastv", "layer": True}, "must be an integer"),
+                                        ({"method": "fastv", "options": [1]}, "mapping of method options"),
+                                        ({"method": "per_frame"}, "not available in the vLLM plugin"),
                                         ({"seed": 1.5}, "integer"), ({"bogus": 1}, "unknown setting"),
                                         ({"method": "divprune", "count": "evs"}, "with method 'temporal'"),
                                         ({"method": "temporal", "count": "x"}, "count='x'")])
 def test_bad_settings_refused(raw, match):
     with pytest.raises(ValueError, match=match):
         settings.VllmPruning.from_dict(raw)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"vtprune_keep": True}, "not a number"),
+                                           ({"vtprune_keep": "0.5"}, "not a number"),
+                                           ({"vtprune_keep": 0.0}, r"outside \(0, 1\]"),
+                                           ({"vtprune_kep": 0.5}, "unknown request key.*'vtprune_kep'"),
+                                           ({"keep": 0.5}, "unknown request key.*'keep'"),
+                                           ({"VTPRUNE_KEEP": 0.5}, "unknown request key")])
+def test_bad_request_keep_refused(kwargs, match):
+    """A request's keep is applied or the request is refused: never silently run at the model's keep."""
+    pruning = settings.VllmPruning.from_dict({"keep": 0.25})
+    with pytest.raises(ValueError, match=match) as error:
+        pruning.request_keep(kwargs)
+    assert "\n" not in str(error.value)
+    assert pruning.request_keep({"vtprune_keep": 0.5, "max_pixels": 1000}) == 0.5
+    assert pruning.request_keep({}) == 0.25
 
 
 def test_architectures_and_versions():
@@ -346,8 +371,8 @@ def test_tile_groups_budget_base_view_and_tiles_apart():
 def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
     import vtprune.vllm.serve as serve
 
-    code, _, err = cli("serve", "--method", "fastv")
-    assert code == 2 and "prunes inside the language model" in err and err.count("\n") == 1
+    code, _, err = cli("serve", "--method", "prefixkv")
+    assert code == 2 and "not available in the vLLM plugin" in err and err.count("\n") == 1
     code, _, err = cli("serve", "--keep", "0")
     assert code == 2 and "outside (0, 1]" in err
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"]}))

@@ -31,8 +31,8 @@ def restore(model) -> None:
 
 def set_broadcast(model, enabled: bool) -> None:
     """Switch the plugin's rank-0 broadcast off (identity) or back on, in this worker."""
-    import vtprune.vllm.common as common
+    import vtprune.vllm.ranks as ranks
 
-    if not hasattr(common, "_vtprune_test_broadcast"):
-        common._vtprune_test_broadcast = common.broadcast_from_first_rank
-    common.broadcast_from_first_rank = common._vtprune_test_broadcast if enabled else (lambda rows: rows)
+    if not hasattr(ranks, "_vtprune_test_broadcast"):
+        ranks._vtprune_test_broadcast = ranks.broadcast_from_first_rank
+    ranks.broadcast_from_first_rank = ranks._vtprune_test_broadcast if enabled else (lambda rows: rows)

@@ -1,7 +1,9 @@
-"""vtprune inside vLLM: pre-LLM visual-token pruning as a vLLM plugin (``pip install -e ".[vllm]"`` in the clone).
+"""vtprune inside vLLM: visual-token pruning as a vLLM plugin (``pip install -e ".[vllm]"`` in the clone).
 
-vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in each of its processes; it only
-registers architecture names (``VtpruneLlavaForConditionalGeneration``, ...). A model opts in with
+Pre-LLM methods prune each image's embeddings before the language model; layer-wise methods prune inside it
+(:mod:`vtprune.vllm.layerwise`). vLLM loads :func:`register` through the ``vllm.general_plugins`` entry point in each
+of its processes; it registers architecture names (``VtpruneLlavaForConditionalGeneration``, ...) and their config
+hook (which installs what a layer-wise method needs when a model uses one). A model opts in with
 ``hf_overrides={"architectures": ["Vtprune..."], "vtprune": {"method": "divprune", "keep": 0.25}}``.
 Importing this package imports neither vLLM nor torch; ``import vtprune`` does not import it.
 """
@@ -20,3 +22,6 @@ def register() -> None:
     for name, target in ARCHITECTURES.items():
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, target)
+    from vtprune.vllm.layerwise.config import register_config_hooks
+
+    register_config_hooks(ARCHITECTURES)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vtprune.vllm import ranks
 from vtprune.vllm.select import ITEM_BUDGET, kept_count, select_rows
 from vtprune.vllm.settings import (
     IMAGE_METHODS,
@@ -103,8 +104,8 @@ class PrunedProcessorMixin:
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]):
         """The stock processing (without vtprune's request key; OneVision runs its HF processor from here, not
         through ``_call_hf_processor``) plus a keep field per item."""
+        keep = self.vtprune_settings().request_keep(dict(hf_kwargs))  # refuses a bad keep before any work
         out = super()._apply_hf_processor_main(mm_items, without_request_key(hf_kwargs))
-        keep = self.vtprune_settings().request_keep(dict(hf_kwargs))
         for modality, count in mm_items.get_all_counts().items():  # pixels and precomputed embeddings alike
             if modality in self.modalities and count:
                 out[keep_field(modality)] = torch.full((count,), round(keep * PPM), dtype=torch.long)
@@ -121,6 +122,8 @@ class PrunedProcessorMixin:
     def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object],
                             out_mm_kwargs: Any) -> Sequence[Any]:
         updates = super()._get_prompt_updates(mm_items, without_request_key(hf_processor_mm_kwargs), out_mm_kwargs)
+        if self.vtprune_settings().layer_wise:  # every visual token enters the language model
+            return updates
         return [self._pruned_update(update, out_mm_kwargs) for update in updates]
 
     def _pruned_update(self, update: Any, out_mm_kwargs: Any) -> Any:
@@ -162,6 +165,7 @@ class PrunedModelMixin:
         if self.vtprune.method in TOWER_METHODS and getattr(vllm_config.compilation_config, "compile_mm_encoder", False):
             raise ValueError(f"vtprune: {self.vtprune.method} reads the tower's attention through a hook, which a "
                              "compiled vision encoder skips; leave compile_mm_encoder off (or serve 'divprune').")
+        needs_runner = needs_runner or self.vtprune.layer_wise
         runner = find_runner() if needs_runner else None
         if needs_runner and runner is None:
             raise RuntimeError("vtprune: vLLM's model runner was not found while the model was built, so kept "
@@ -169,6 +173,20 @@ class PrunedModelMixin:
         self._vtprune_runner = weakref.ref(runner) if runner is not None else None
         #: the kept row indices of the most recent items (bounded; read in tests through ``LLM.apply_model``)
         self.vtprune_selections: collections.deque[list[int]] = collections.deque(maxlen=256)
+        self.vtprune_layerwise = self._layer_wise(vllm_config, runner) if self.vtprune.layer_wise else None
+
+    def _layer_wise(self, vllm_config: Any, runner: Any) -> Any:
+        """The hooks of a layer-wise method on this model's language model (:mod:`vtprune.vllm.layerwise`), and its
+        pruned layers' own KV specs."""
+        from vtprune.vllm.layerwise import kv
+        from vtprune.vllm.layerwise.config import served_plan
+        from vtprune.vllm.layerwise.runtime import LayerwiseRuntime
+
+        plan = served_plan(vllm_config.model_config)
+        runtime = LayerwiseRuntime(self, plan, self.vtprune.keep, runner, self.vtprune_selections)
+        kv.use_pruned_specs({i: layer.self_attn.attn for i, layer in enumerate(runtime.layers.decoder_layers)},
+                            plan.region_of_layer)
+        return runtime
 
     def enable_position_updates(self) -> None:
         """Make the runner call :meth:`recompute_mrope_positions` (vLLM does so only for EVS video pruning)."""
@@ -179,6 +197,8 @@ class PrunedModelMixin:
     def prune_items(self, embeddings: Sequence[torch.Tensor], kwargs: dict, keeps: dict) -> list[torch.Tensor]:
         """Each item's kept rows ``[k_i, D]`` of the stock ``embeddings`` of a call, in their order; ``keeps``:
         the popped keep field of each modality; an item's groups come from :meth:`row_groups`."""
+        if self.vtprune.layer_wise:  # the language model prunes (vtprune.vllm.layerwise)
+            return list(embeddings)
         out, index = [], 0
         for modality in modality_order(kwargs):
             count = len(embeddings) - index if keeps.get(modality) is None else len(keeps[modality])
@@ -195,22 +215,10 @@ class PrunedModelMixin:
     def vtprune_rows(self, embeddings: torch.Tensor, keep: float, frames: int | Sequence[int] = 1) -> torch.Tensor:
         """Sorted kept row indices ``[k]`` of one item ``[n, D]`` (``frames``: its groups, as
         :meth:`PrunedProcessorMixin.item_groups`); tensor-parallel ranks use rank 0's."""
-        rows = broadcast_from_first_rank(select_rows(self.vtprune.selection, embeddings, keep, frames,
+        rows = ranks.broadcast_from_first_rank(select_rows(self.vtprune.selection, embeddings, keep, frames,
                                                      self.vtprune.seed))
         self.vtprune_selections.append(rows.tolist())
         return rows
-
-
-def broadcast_from_first_rank(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` of tensor-parallel rank 0 on every rank (unchanged without tensor parallelism)."""
-    try:
-        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-        if get_tensor_model_parallel_world_size() <= 1:
-            return rows
-    except (ImportError, AssertionError):
-        return rows
-    return get_tp_group().broadcast(rows.contiguous(), src=0)
 
 
 def recent_selections(model: Any) -> list[list[int]]:

@@ -132,6 +132,8 @@ class QwenPruningMixin(PrunedModelMixin):
 
     def embed_multimodal(self, **kwargs: object):
         keeps = {m: kwargs.pop(keep_field(m), None) for m in ("image", "video")}
+        if self.vtprune.layer_wise:  # every visual token enters the language model, which prunes
+            return super().embed_multimodal(**kwargs)
         order = modality_order(kwargs)
         grids = {m: kwargs.get(f"{m}_grid_thw") for m in order}
         seconds = kwargs.get("second_per_grid_ts")
@@ -241,6 +243,8 @@ class QwenPruningMixin(PrunedModelMixin):
         return kept, torch.cat(kept_values)
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
+        if self.vtprune.layer_wise:
+            return super().get_mrope_input_positions(input_tokens, mm_features)
         features = sorted(mm_features, key=lambda f: f.mm_position.offset)
         items = [(offset, feature.mm_position.length, grid_extent((t, h, w), factor))
                  for (offset, t, h, w, factor), feature in zip(self.iter_mm_grid_thw(features), features)]

@@ -73,6 +73,8 @@ class VtpruneQwen3VLForConditionalGeneration(QwenPruningMixin, Qwen3VLForConditi
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         """Text as the unpruned prompt numbers it; an image, or each frame of a video, spans its original extent."""
+        if self.vtprune.layer_wise:
+            return super().get_mrope_input_positions(input_tokens, mm_features)
         merge = self.config.vision_config.spatial_merge_size
         video_token = self.config.video_token_id
         items = []

@@ -13,18 +13,25 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-VLLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
+PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
+#: Methods that prune inside the language model (vtprune.vllm.layerwise): stage layers fixed at start-up, the kept
+#: count of every stage a function of the request's visual tokens and keep.
+LAYER_METHODS = ("fastv", "pdrop", "transprune", "ttv", "dart")
+#: Every method the plugin serves.
+VLLM_METHODS = PRE_LLM_METHODS + LAYER_METHODS
 #: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
 TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL"}
 TOWER_METHODS = tuple(TOWER_FAMILIES)
 #: Methods that score images only (vtprune's transformers path refuses their video too).
 IMAGE_METHODS = ("vflowopt",)
-#: Methods that need the language model's attention or per-layer sequence lengths: not possible inside vLLM.
-LAYER_WISE = ("fastv", "pdrop", "transprune", "dart", "prefixkv", "ttv")
-#: vtprune methods that fit vLLM's pre-LLM path but are not implemented in the plugin yet, and why.
+#: Layer-wise methods that score with the LM's attention, which ``+debias`` corrects.
+DEBIASABLE = ("fastv", "pdrop", "transprune")
+#: vtprune methods the plugin does not serve, and why.
 NOT_YET = {
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
+    "prefixkv": "each layer keeps its own cache entries, counted per request after the prefill, while vLLM's KV "
+                "manager allocates one block table per layer group before it",
 }
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
@@ -46,6 +53,8 @@ UNSUPPORTED: dict[str, str] = {}
 
 def check_keep(keep: Any, where: str = "keep") -> float:
     """``keep`` as a float in (0, 1], or a one-line ``ValueError``."""
+    if isinstance(keep, bool) or isinstance(keep, str):
+        raise ValueError(f"vtprune: {where}={keep!r} is not a number; give a fraction in (0, 1], e.g. 0.25.")
     try:
         value = float(keep)
     except (TypeError, ValueError):
@@ -57,23 +66,25 @@ def check_keep(keep: Any, where: str = "keep") -> float:
 
 
 def check_method(method: Any) -> str:
-    """``method`` if the plugin runs it, else a one-line ``ValueError`` saying why and what works."""
+    """``method`` (``"fastv+debias"`` allowed for :data:`DEBIASABLE`) if the plugin runs it, else a one-line
+    ``ValueError`` saying why and what works."""
     name = str(method)
     works = ", ".join(VLLM_METHODS)
-    if name in VLLM_METHODS:
+    base, _, suffix = name.partition("+")
+    if name in VLLM_METHODS or (suffix == "debias" and base in DEBIASABLE):
         return name
-    base = name.split("+")[0]
-    if base in LAYER_WISE:
-        raise ValueError(f"vtprune: method {name!r} prunes inside the language model (it needs the LM's attention "
-                         "and per-layer sequence lengths, which vLLM's paged attention does not allow); methods "
-                         f"that work in vLLM: {works}.")
-    if name.endswith("+debias"):
-        raise ValueError(f"vtprune: {name!r}: +debias corrects attention scores and applies to layer-wise methods "
-                         f"only; methods that work in vLLM: {works}.")
+    if suffix == "debias":
+        raise ValueError(f"vtprune: {name!r}: +debias corrects language-model attention scores and applies to "
+                         f"{', '.join(DEBIASABLE)} only; methods that work in vLLM: {works}.")
     if base in NOT_YET:
-        raise ValueError(f"vtprune: method {name!r} is not available in the vLLM plugin yet ({NOT_YET[base]}); "
+        raise ValueError(f"vtprune: method {name!r} is not available in the vLLM plugin ({NOT_YET[base]}); "
                          f"methods that work in vLLM: {works}.")
     raise ValueError(f"vtprune: unknown method {name!r}; methods that work in vLLM: {works}.")
+
+
+def is_layer_wise(method: str) -> bool:
+    """Whether ``method`` (checked) prunes inside the language model."""
+    return method.partition("+")[0] in LAYER_METHODS
 
 
 def check_architecture(architecture: str) -> str:
@@ -114,17 +125,26 @@ def check_vllm_version(version: str | None = None) -> str:
 @dataclass(frozen=True)
 class VllmPruning:
     """The checked settings of one pruned model: ``method``, default ``keep``, ``seed`` (random), ``count``
-    (temporal: ``"vtprune"``, ``keep_count(keep, n)`` over the video, or ``"evs"``, vLLM's EVS count)."""
+    (temporal: ``"vtprune"``, ``keep_count(keep, n)`` over the video, or ``"evs"``, vLLM's EVS count); for the
+    layer-wise methods ``layer`` (FastV's K, DART's layer: one stage there) and ``options`` (the method's own options,
+    as ``vtprune.wrap`` takes them, e.g. ``{"alpha": 0.5}``; ``{"debias": "calibration.json"}``)."""
 
     method: str
     keep: float
     seed: int = 0
     count: str = "vtprune"
+    layer: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def selection(self) -> str:
         """The name :func:`vtprune.vllm.select.select_rows` runs: ``temporal_evs`` for temporal with EVS counting."""
         return "temporal_evs" if self.method == "temporal" and self.count == "evs" else self.method
+
+    @property
+    def layer_wise(self) -> bool:
+        """Whether the method prunes inside the language model (:mod:`vtprune.vllm.layerwise`)."""
+        return is_layer_wise(self.method)
 
     @classmethod
     def from_config(cls, hf_config: Any) -> VllmPruning:
@@ -137,9 +157,10 @@ class VllmPruning:
 
     @classmethod
     def from_dict(cls, raw: dict) -> VllmPruning:
-        unknown = sorted(set(raw) - {"method", "keep", "seed", "count"})
+        known = ("method", "keep", "seed", "count", "layer", "options")
+        unknown = sorted(set(raw) - set(known))
         if unknown:
-            raise ValueError(f"vtprune: unknown setting(s) {', '.join(unknown)}; known: method, keep, seed, count.")
+            raise ValueError(f"vtprune: unknown setting(s) {', '.join(unknown)}; known: {', '.join(known)}.")
         seed = raw.get("seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"vtprune: seed={seed!r} must be an integer.")
@@ -147,10 +168,32 @@ class VllmPruning:
         if count not in ("vtprune", "evs") or (count == "evs" and method != "temporal"):
             raise ValueError(f"vtprune: count={count!r} with method {method!r}: use 'vtprune', or 'evs' (vLLM's EVS "
                              "count) with method 'temporal'.")
-        return cls(method, check_keep(raw.get("keep", 0.25)), seed, count)
+        layer, options = raw.get("layer"), raw.get("options") or {}
+        if (layer is not None or options) and not is_layer_wise(method):
+            raise ValueError(f"vtprune: 'layer' and 'options' apply to the layer-wise methods "
+                             f"({', '.join(LAYER_METHODS)}), not to {method!r}.")
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
+            raise ValueError(f"vtprune: layer={layer!r} must be an integer >= 1 (the first decoder layer that sees "
+                             "the pruned tokens; FastV's K = 2).")
+        if not isinstance(options, dict):
+            raise ValueError(f"vtprune: options={options!r} must be a mapping of method options, e.g. "
+                             "{'alpha': 0.5}.")
+        return cls(method, check_keep(raw.get("keep", 0.25)), seed, count, layer, tuple(sorted(options.items())))
 
     def request_keep(self, kwargs: dict) -> float:
-        """The keep of one request: ``mm_processor_kwargs['vtprune_keep']`` if given, else the model's."""
+        """The keep of one request: ``mm_processor_kwargs['vtprune_keep']`` if given, else the model's; a key that
+        looks like a misspelling of it (``vtprune_kep``, ``keep``) is refused, so a keep never goes unapplied."""
+        check_request_keys(kwargs)
         if REQUEST_KEY in kwargs and kwargs[REQUEST_KEY] is not None:
             return check_keep(kwargs[REQUEST_KEY], REQUEST_KEY)
         return self.keep
+
+
+def check_request_keys(kwargs: dict) -> None:
+    """A one-line ``ValueError`` for a request key that looks like ``vtprune_keep`` but is not (any key naming
+    ``vtprune`` or ``keep``): the request would otherwise run at the model's keep without a word."""
+    wrong = sorted(str(key) for key in kwargs
+                   if key != REQUEST_KEY and ("vtprune" in str(key).lower() or "keep" in str(key).lower()))
+    if wrong:
+        raise ValueError(f"vtprune: unknown request key(s) {', '.join(map(repr, wrong))} in mm_processor_kwargs; "
+                         f"the per-request keep is {REQUEST_KEY!r}, e.g. {{'{REQUEST_KEY}': 0.5}}.")

@@ -1,0 +1,18 @@
+"""Layer-wise methods (FastV, PyramidDrop, TransPrune, TTV, DART, ``+debias``) inside vLLM's language model.
+
+One module per concern, each over one seam of vLLM's private API (pinned to the tested vLLM minor,
+:data:`vtprune.vllm.settings.TESTED_VLLM`; docs/serving.md lists the seams):
+
+* :mod:`~vtprune.vllm.layerwise.plan` (pure): the stages and each request's pruned count per layer region.
+* :mod:`~vtprune.vllm.layerwise.requests` (pure): a request's visual tokens and keep from its multimodal features.
+* :mod:`~vtprune.vllm.layerwise.layout` (pure): each request's rows, sequence length and KV positions per region.
+* :mod:`~vtprune.vllm.layerwise.config`: start-up checks and settings (vLLM's per-architecture config hook).
+* :mod:`~vtprune.vllm.layerwise.kv`: the pruned regions' KV specs and manager (vLLM's KV spec registry).
+* :mod:`~vtprune.vllm.layerwise.scheduler`: the pruned counts at a request's arrival (vLLM's ``scheduler_cls``).
+* :mod:`~vtprune.vllm.layerwise.metadata`: the regions' attention metadata (the backends' metadata builders).
+* :mod:`~vtprune.vllm.layerwise.scoring`: vtprune's scorers on vLLM's layers (queries, keys, score contexts).
+* :mod:`~vtprune.vllm.layerwise.records` / :mod:`~vtprune.vllm.layerwise.runtime`: the per-request state and the
+  hooks on the decoder layers that score, select and compact.
+
+Nothing here changes vLLM's files or classes: hooks and attributes are per model instance.
+"""

@@ -1,0 +1,95 @@
+"""Start-up of a model served with a layer-wise method: its plan, and the engine settings it needs or refuses.
+
+vLLM seam (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, the per-architecture config hook vLLM calls
+while it builds the engine config): :class:`LayerwiseConfig` runs for vtprune's architectures. For a layer-wise
+method it installs the scheduler (:mod:`vtprune.vllm.layerwise.scheduler`), runs the model eagerly (the hooks
+change sequence lengths between layers, which compiled graphs and CUDA graphs cannot follow), turns async
+scheduling off, and refuses in one line what it cannot serve exactly: pipeline or context parallelism, speculative
+decoding, KV connectors, micro-batching, a scheduler of the user's own. Chunked prefill and prefix caching work
+(a pruned prompt's chunks are held until its last one; pruned requests skip prefix-cache reads).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vtprune.vllm.layerwise.plan import LayerPlan, make_layer_plan
+from vtprune.vllm.settings import VllmPruning
+
+logger = logging.getLogger("vtprune.vllm")
+SCHEDULER = "vtprune.vllm.layerwise.scheduler.PruningScheduler"
+
+
+def deepstack_layers(hf_config: Any) -> int:
+    """How many first decoder layers receive Qwen3-VL's DeepStack features (0 for other families)."""
+    vision = getattr(hf_config, "vision_config", None)
+    return len(getattr(vision, "deepstack_visual_indexes", None) or [])
+
+
+def served_plan(model_config: Any) -> LayerPlan:
+    """The :class:`LayerPlan` of a model config (``hf_config.vtprune`` settings, the text model's depth)."""
+    pruning = VllmPruning.from_config(model_config.hf_config)
+    text = model_config.hf_text_config
+    return make_layer_plan(pruning.method, pruning.keep, int(text.num_hidden_layers), options=dict(pruning.options),
+                           layer=pruning.layer, min_layer=max(1, deepstack_layers(model_config.hf_config)),
+                           model_type=str(getattr(model_config.hf_config, "model_type", "model")))
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise ValueError(f"vtprune: {message}")
+
+
+def check_engine(vllm_config: Any, method: str) -> None:
+    """One-line refusals of the engine settings a layer-wise method cannot serve exactly."""
+    parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
+    _refuse(parallel.pipeline_parallel_size > 1, f"{method} prunes between decoder layers, which pipeline "
+            "parallelism splits across ranks; serve it with pipeline_parallel_size=1 (tensor parallelism works).")
+    _refuse(getattr(parallel, "decode_context_parallel_size", 1) > 1
+            or getattr(parallel, "prefill_context_parallel_size", 1) > 1,
+            f"{method} keeps each request's KV entries on one rank; turn context parallelism off.")
+    _refuse(vllm_config.speculative_config is not None, f"{method} gives the runner one row per request, not the "
+            "draft rows speculative decoding verifies; drop speculative_config.")
+    _refuse(vllm_config.kv_transfer_config is not None, f"{method} stores pruned layers' KV compacted, which KV "
+            "connectors would transfer as if it were whole; drop kv_transfer_config.")
+    _refuse(bool(getattr(parallel, "enable_dbo", False)), f"{method} does not run with micro-batching (DBO); turn "
+            "--enable-dbo off.")
+    _refuse(scheduler.async_scheduling is True, f"{method} schedules synchronously (the pruned KV groups are sized "
+            "per step); drop async_scheduling=True.")
+    custom = scheduler.scheduler_cls
+    _refuse(custom not in (None, SCHEDULER) and not (isinstance(custom, str) and custom.startswith("vllm.")),
+            f"{method} needs vtprune's scheduler; drop scheduler_cls={custom!r}.")
+    _refuse(bool(getattr(scheduler, "disable_hybrid_kv_cache_manager", False)), f"{method} keeps pruned layers in KV "
+            "cache groups of their own; drop disable_hybrid_kv_cache_manager.")
+
+
+class LayerwiseConfig:
+    """vLLM's per-architecture config hook for vtprune's architectures (a ``VerifyAndUpdateConfig``)."""
+
+    @staticmethod
+    def verify_and_update_config(vllm_config: Any) -> None:
+        model_config = vllm_config.model_config
+        pruning = VllmPruning.from_config(model_config.hf_config)
+        if not pruning.layer_wise:
+            return
+        served_plan(model_config)  # refuse a bad method, layer or option now, in the caller's process
+        check_engine(vllm_config, pruning.method)
+        vllm_config.scheduler_config.scheduler_cls = SCHEDULER
+        vllm_config.scheduler_config.async_scheduling = False
+        if not model_config.enforce_eager:
+            logger.warning("vtprune: %s runs the language model eagerly (enforce_eager=True): its compaction between "
+                           "layers cannot run inside torch.compile graphs or CUDA graphs.", pruning.method)
+            model_config.enforce_eager = True
+
+    @staticmethod
+    def verify_and_update_model_config(model_config: Any) -> None:
+        return None
+
+
+def register_config_hooks(architectures: Any) -> None:
+    """Add :class:`LayerwiseConfig` to vLLM's per-architecture config hooks for ``architectures``."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    for name in architectures:
+        MODELS_CONFIG_MAP.setdefault(name, LayerwiseConfig)

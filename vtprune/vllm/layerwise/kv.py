@@ -1,0 +1,91 @@
+"""KV memory of the pruned layers: their own KV cache groups, whose manager allocates only the kept tokens.
+
+vLLM seam (``vllm.v1.kv_cache_spec_registry``, ``vllm.v1.core.single_type_kv_cache_manager``): the attention layers of
+region ``s >= 1`` report a :class:`PrunedAttentionSpec` (region ``s``) instead of a ``FullAttentionSpec``, so vLLM's
+hybrid KV manager puts them in groups of their own; :class:`PrunedManager` gives a request ``tokens - pruned[s]``
+slots there, ``pruned`` being the table the scheduler fills when the request arrives
+(:class:`vtprune.vllm.layerwise.scheduler.PruningSchedulerMixin`). A request that prunes nothing is allocated (and
+prefix-cached) as by full attention. The spec must not subclass ``FullAttentionSpec``: its ``merge`` would fold the
+layers back into one group.
+
+Importing this module registers the spec with vLLM's registry (after vLLM's own specs), in whichever process first
+needs it: the worker that reports the specs, the engine core that unpickles them.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrunedAttentionSpec(AttentionSpec):
+    """Full attention over the tokens a layer region keeps (``region`` >= 1: after that many pruning stages)."""
+
+    region: int = 1
+
+    def max_memory_usage_bytes(self, vllm_config: Any) -> int:
+        return cdiv(vllm_config.model_config.max_model_len, self.block_size) * self.page_size_bytes
+
+
+class PrunedManager(FullAttentionManager):
+    """Full-attention bookkeeping with ``tokens - pruned[region]`` slots per pruned request; no prefix-cache entries
+    for pruned requests (their blocks hold a question-dependent selection)."""
+
+    #: request id -> tokens missing in each region (region 0 first); set by the scheduler, empty until then
+    pruned: Mapping[str, tuple[int, ...]] = types.MappingProxyType({})
+
+    def _slots(self, request_id: str, num_tokens: int) -> int:
+        missing = self.pruned.get(request_id)
+        if not missing:
+            return num_tokens
+        return max(1, num_tokens - missing[self.kv_cache_spec.region])  # >= 1: a deferred chunk's placeholder row
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
+        args = list(args)
+        if len(args) >= 4:  # num_tokens_main_model (vLLM 0.32: the sixth positional argument)
+            args[3] = self._slots(request_id, args[3])
+        return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list:
+        return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens),
+                                           self._slots(request_id, num_tokens_main_model))
+
+    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+        if self.pruned.get(request.request_id):
+            return
+        super().cache_blocks(request, num_tokens)
+
+
+KVCacheSpecRegistry._ensure_registered()  # vLLM's own specs first: registering ours must not pre-empt them
+KVCacheSpecRegistry.register(PrunedAttentionSpec, PrunedManager, uniform_type_base_spec=PrunedAttentionSpec)
+
+
+def pruned_spec(spec: Any, region: int) -> PrunedAttentionSpec:
+    """The :class:`PrunedAttentionSpec` of ``region`` with the fields of a layer's ``FullAttentionSpec``."""
+    if not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None or spec.attention_chunk_size:
+        raise ValueError(f"vtprune: layer-wise pruning needs full-attention layers; this model has {spec!r}.")
+    shared = {f.name: getattr(spec, f.name) for f in fields(AttentionSpec) if f.init}
+    return PrunedAttentionSpec(**shared, region=region)
+
+
+def use_pruned_specs(attention_layers: Mapping[int, Any], region_of_layer: Any) -> None:
+    """Make each attention module of decoder layer ``i`` (``attention_layers[i]``, vLLM's ``Attention``) in a region
+    ``>= 1`` report a :class:`PrunedAttentionSpec` of its region (an instance attribute: the class is untouched)."""
+    for index, attention in attention_layers.items():
+        region = region_of_layer(index)
+        if region == 0:
+            continue
+        stock = attention.get_kv_cache_spec
+
+        def get_kv_cache_spec(vllm_config: Any, _stock: Any = stock, _region: int = region) -> PrunedAttentionSpec:
+            return pruned_spec(_stock(vllm_config), _region)
+
+        attention.get_kv_cache_spec = get_kv_cache_spec
