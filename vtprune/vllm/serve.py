@@ -17,10 +17,12 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from vtprune.cli.checks import check_port, int_range
@@ -53,7 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--seed", type=int_range(0), default=0, help="seed of --method random")
     serve.add_argument("--host", default="127.0.0.1", help="address the server listens on")
     serve.add_argument("--port", type=int_range(1, 65535), default=8000, help="port the server listens on, 1..65535")
-    serve.add_argument("--dry-run", action="store_true", help="print the vLLM command line and exit")
+    serve.add_argument("--dry-run", action="store_true",
+                       help="print the vLLM command line, quoted for a POSIX shell (ready to paste), and exit")
     serve.set_defaults(func=command_serve, passthrough=[])
 
 
@@ -139,17 +142,34 @@ def embedded_defaults(model: str, given: list[str]) -> list[str]:
 
 
 def command_serve(args: argparse.Namespace) -> int:
-    if not args.dry_run:
-        check_port(args.host, args.port)  # before vLLM spends minutes starting, only to find the port taken
-    command = server_command(args, sys.executable if args.dry_run else vllm_python())
     if args.dry_run:
-        print(" ".join(command))
+        print(dry_run_line(server_command(args, _dry_run_python()), server_env(os.environ)))
         return 0
+    check_port(args.host, args.port)  # before vLLM spends minutes starting, only to find the port taken
+    command = server_command(args, vllm_python())
     print(f"vtprune: serving {args.model} with {args.method} keep {args.keep} on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on a CPU (ignored on a GPU)
-    return run_server(command, env)
+    return run_server(command, {**os.environ, **server_env(os.environ)})
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables ``vtprune serve`` adds for vLLM (those ``environ`` does not set already)."""
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache on a CPU (ignored on a GPU)
+    return {name: value for name, value in defaults.items() if name not in environ}
+
+
+def dry_run_line(command: list[str], env: Mapping[str, str]) -> str:
+    """``command`` as one line a POSIX shell runs as is: ``NAME=value`` assignments for ``env`` first, every
+    word quoted where the shell would split or expand it (the JSON of ``--hf-overrides``, paths with spaces)."""
+    return shlex.join([f"{name}={value}" for name, value in env.items()] + list(command))
+
+
+def _dry_run_python() -> str:
+    """The Python the server would run in; this one when none with vLLM is found (a dry run needs no vLLM)."""
+    try:
+        return vllm_python()
+    except UserError:
+        return sys.executable
 
 
 def run_server(command: list[str], env: dict[str, str] | None = None, grace_s: float = GRACE_S) -> int:

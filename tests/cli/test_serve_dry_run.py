@@ -1,0 +1,81 @@
+"""``vtprune serve --dry-run`` prints one line that a POSIX shell runs as is: the words the shell reads back are
+the server's argv word for word (JSON options, paths with spaces or quotes), after the environment variable
+``vtprune serve`` sets for vLLM."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vtprune.vllm import serve
+
+
+@pytest.fixture
+def python(monkeypatch) -> str:
+    """The Python the line names (a fixed path: no vLLM lookup on this machine)."""
+    path = "/opt/venv vllm/bin/python"
+    monkeypatch.setattr(serve, "_dry_run_python", lambda: path)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    return path
+
+
+def _argv(*words: str) -> list[str]:
+    """The server's argv for ``vtprune serve WORDS`` (what the real run starts), without the dry run."""
+    from vtprune.cli import build_parser, parse_command
+
+    return serve.server_command(parse_command(build_parser(), ["serve", *words]), "/opt/venv vllm/bin/python")
+
+
+def _shell_words(line: str) -> list[str]:
+    """The words ``sh`` makes of ``line`` (quotes removed, nothing expanded that should not be)."""
+    script = f'set -- {line}\nfor word in "$@"; do printf "%s\\0" "$word"; done'
+    return subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout.split("\0")[:-1]
+
+
+def _folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "my models" / "llava 'v1.5' $HOME"  # spaces, quotes and a $ the shell must not expand
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"]}))
+    return folder
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--max-num-seqs", "4"], ["--limit-mm-per-prompt", '{"image": 1}'], ["--served-model-name", "a b;c&d"]])
+def test_the_printed_line_parses_back_to_the_servers_argv(cli, python, tmp_path, extra):
+    folder = str(_folder(tmp_path))
+    code, out, err = cli("serve", folder, "--keep", "0.5", "--dry-run", *extra)
+    assert code == 0 and err == "" and out.count("\n") == 1, (out, err)
+    expected = ["VLLM_CPU_KVCACHE_SPACE=1", *_argv(folder, "--keep", "0.5", *extra)]
+    assert shlex.split(out) == expected
+    assert _shell_words(out.strip()) == expected  # a real shell reads the same words
+    overrides = json.loads(expected[expected.index("--hf-overrides") + 1])
+    assert overrides == {"vtprune": {"method": "divprune", "keep": 0.5, "seed": 0},
+                         "architectures": ["VtpruneLlavaForConditionalGeneration"]}
+
+
+def test_an_embedded_model_line_carries_its_defaults(cli, python):
+    code, out, _ = cli("serve", "embedded:qwen2_vl", "--keep", "0.5", "--dry-run", "--max-num-seqs", "4")
+    words = shlex.split(out)
+    assert code == 0 and words == ["VLLM_CPU_KVCACHE_SPACE=1", *_argv("embedded:qwen2_vl", "--keep", "0.5",
+                                                                       "--max-num-seqs", "4")]
+    assert words[1:4] == [python, "-m", "vllm.entrypoints.openai.api_server"]
+    assert {"--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "4"} <= set(words)
+
+
+def test_an_environment_variable_the_user_set_is_left_to_the_user(cli, python, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    code, out, _ = cli("serve", "--dry-run")
+    words = shlex.split(out)
+    assert code == 0 and words[0] == python and not any(w.startswith("VLLM_CPU_KVCACHE_SPACE") for w in words)
+    assert serve.server_env({"VLLM_CPU_KVCACHE_SPACE": "8"}) == {}  # the real run keeps the user's value too
+
+
+def test_a_dry_run_needs_no_free_port_and_no_vllm(cli, monkeypatch):
+    monkeypatch.setattr(serve, "check_port", lambda *a: pytest.fail("a dry run checked the port"))
+    monkeypatch.setattr(serve, "vllm_python", lambda: (_ for _ in ()).throw(serve.UserError("no vLLM")))
+    code, out, _ = cli("serve", "--dry-run")
+    assert code == 0 and "vllm.entrypoints.openai.api_server" in shlex.split(out)
