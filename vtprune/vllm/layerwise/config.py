@@ -33,7 +33,8 @@ def served_plan(model_config: Any) -> LayerPlan:
     text = model_config.hf_text_config
     return make_layer_plan(pruning.method, pruning.keep, int(text.num_hidden_layers), options=dict(pruning.options),
                            layer=pruning.layer, min_layer=max(1, deepstack_layers(model_config.hf_config)),
-                           model_type=str(getattr(model_config.hf_config, "model_type", "model")))
+                           model_type=str(getattr(model_config.hf_config, "model_type", "model")),
+                           hf_config=model_config.hf_config)
 
 
 def _refuse(condition: bool, message: str) -> None:

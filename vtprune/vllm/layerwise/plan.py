@@ -73,17 +73,20 @@ class LayerPlan:
 
 def make_layer_plan(method: str, keep: float, num_layers: int, *, options: dict | None = None,
                     debias: bool | str = False, layer: int | None = None, min_layer: int = 1,
-                    model_type: str = "model") -> LayerPlan:
+                    model_type: str = "model", hf_config: Any = None) -> LayerPlan:
     """The :class:`LayerPlan` of a served model, checked once at start-up (one-line ``ValueError`` otherwise).
 
     ``min_layer``: the first layer allowed to see a pruned sequence (Qwen3-VL: after its DeepStack layers).
+    ``hf_config``: the served model's config; ``debias=True`` reads the ``calibration.json`` shipped beside it, as
+    vtprune's transformers path does.
     The stage layers must not depend on ``keep``: a request's keep changes only how many tokens each stage keeps.
     """
     from vtprune.config import stage_layer, validate_stages
     from vtprune.methods.registry import resolve
     from vtprune.plan import check_stages
 
-    scorer = resolve(method, dict(options or {}), debias=debias)
+    model = SimpleNamespace(config=hf_config) if hf_config is not None else None
+    scorer = resolve(method, dict(options or {}), debias=debias, model=model)
     if scorer.kv_retention() is not None:
         raise ValueError(f"vtprune: {method!r} retains KV entries instead of pruning; it has its own vLLM path.")
     if layer is not None:
