@@ -6,8 +6,9 @@ model x setting x benchmark, with its source), runs lmms-eval once per model x m
 Qwen/Qwen2.5-VL-7B-Instruct, plus each model unpruned) with each paper's protocol
 (:mod:`vtprune.eval.papers.protocols`; the task variants of :mod:`vtprune.eval.lmms_plugin.paper_tasks`), and
 writes ``table.md`` / ``table.csv``: paper value, measured value, difference, the known protocol differences,
-wall-clock seconds of the run and the measured prefill per sample. A run whose results file exists is not run
-again (resume after a cut).
+wall-clock seconds of the run and the measured prefill per sample. A finished run in ``--out`` made with the same
+options is reused (a cut ``reproduce`` continues); one made with other options is refused unless ``--force``
+(:mod:`vtprune.eval.papers.runs`), so the table never mixes runs made differently.
 
 ``--dry-run`` runs the same plan offline on CPU in a minute or two: the embedded models stand in for the
 checkpoints and every benchmark is the local ``vtprune_shapes`` task (``--limit`` documents), so the table has
@@ -43,6 +44,9 @@ from vtprune.eval.papers.data import (
     row_setting,
 )
 from vtprune.eval.papers.protocols import method_args
+from vtprune.eval.papers.runs import TIMING_FILE, check_runs, run_options, start_run
+
+from vtprune.cli.checks import check_output_dir
 
 __all__ = ["BENCHMARKS", "MODELS", "RELATIVE", "PaperRow", "Setting", "load_papers", "main", "metric", "plan"]
 
@@ -124,8 +128,19 @@ def run_in_process(argv: list[str], out: Path, task_manager: Any) -> dict[str, A
     return kept
 
 
-def execute(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[Setting, dict[str, Any]]:
-    """Run (or reuse) every planned run; returns ``{setting: {"results": file, "wall_s": seconds}}``."""
+def planned_options(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """``{run name: the options it runs with}`` (:func:`vtprune.eval.papers.runs.run_options`)."""
+    return {setting.name: run_options(lmms_argv(setting, tasks, args.out / "runs" / setting.name, args.dry_run,
+                                                args.batch_size, args.limit, None, args.checkpoints),
+                                      args.launcher, args.dry_run)
+            for setting, tasks in runs.items()}
+
+
+def execute(runs: dict[Setting, list[str]], args: argparse.Namespace,
+            reuse: set[str] = frozenset()) -> dict[Setting, dict[str, Any]]:
+    """Run every planned run, reusing the finished runs named in ``reuse``; returns ``{setting: {"results": file,
+    "wall_s": seconds}}``."""
+    options = planned_options(runs, args)
     task_manager = None
     if args.dry_run:
         from vtprune.eval.lmms_plugin.prepare import prepare
@@ -138,12 +153,13 @@ def execute(runs: dict[Setting, list[str]], args: argparse.Namespace) -> dict[Se
         out = args.out / "runs" / setting.name
         argv = lmms_argv(setting, tasks, out, args.dry_run, args.batch_size, args.limit, include_path,
                          args.checkpoints)
-        timing = out / "wall_s.json"
+        timing = out / TIMING_FILE
         previous = results_file(out)
-        if previous is not None and timing.exists() and not args.dry_run:
+        if setting.name in reuse and previous is not None:
             print(f"[reproduce] {number}/{len(runs)} {setting.name}: reusing {previous}", flush=True)
             done[setting] = {"results": json.loads(previous.read_text()), **json.loads(timing.read_text())}
             continue
+        start_run(out, options[setting.name])  # a cut or --force run starts from an empty folder
         print(f"[reproduce] {number}/{len(runs)} {setting.name}: lmms_eval {shlex.join(argv)}", flush=True)
         start = time.perf_counter()
         if args.dry_run:
@@ -168,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")
     parser.add_argument("--methods", default=None, help="comma list of the methods of the data file (default: all of "
                         "them); the unpruned run of each model is always included")
-    parser.add_argument("--out", type=Path, default=Path("runs/reproduce"), help="folder (default runs/reproduce)")
+    parser.add_argument("--out", type=Path, default=Path("runs/reproduce"),
+                        help="folder (default runs/reproduce); a finished run there with the same options is reused")
     parser.add_argument("--launcher", default=f"{sys.executable}",
                         help="what starts lmms-eval, before '-m lmms_eval' (default: this Python; eight GPUs: "
                         "'accelerate launch --num_processes 8')")
@@ -185,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=FOLDER",
                         help="a local copy of a model's checkpoint instead of its hub id, e.g. "
                         "llava-1.5-7b=/data/llava-1.5-7b-hf (repeatable)")
+    parser.add_argument("--force", action="store_true",
+                        help="rerun every planned run, replacing the finished runs an earlier call left in --out "
+                        "(default: reuse those made with the same options, refuse the others)")
     return parser
 
 
@@ -233,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from vtprune.eval.papers import table as reproduce_table
 
-    done = execute(runs, args)
+    reuse = check_runs(check_output_dir(args.out), planned_options(runs, args), args.force, args.dry_run)
+    done = execute(runs, args, reuse)
     lines = reproduce_table.table([r for r in rows if not models or r.model in models], done, args.dry_run, args.mmbench)
     conditions = reproduce_table.conditions(args.dry_run, args.batch_size, args.limit, args.launcher, args.mmbench)
     path = reproduce_table.write(lines, args.out, conditions, args.dry_run)
