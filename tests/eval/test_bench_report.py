@@ -1,8 +1,14 @@
-"""The benchmark report's goal lines, computed by hand from a few CSV rows."""
+"""The benchmark report's closing lines (the best criterion at each keep against fixed levels), computed by hand
+from a few CSV rows."""
 
 from __future__ import annotations
 
-from vtprune.eval.accuracy.report import answered_types, goal_summary, markdown_table, pooled
+from pathlib import Path
+
+import pytest
+from vtprune.eval.accuracy.report import answered_types, best_criteria, markdown_table, pooled
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 
 
 def _row(method: str, keep: float, qtype: str, n: int, acc: float, recall: float) -> dict:
@@ -29,28 +35,59 @@ def test_answered_types_and_pooled_recall() -> None:
     assert abs(pooled(rows, "fastv", 0.25, ["color", "read"], "evidence_recall") - 0.7) < 1e-9  # (27 + 1) / 40
 
 
-def test_goal_lines_by_hand() -> None:
-    lines = goal_summary(_rows())
-    assert "keep 0.25: accuracy 0.730 (fastv) = 97.3 % of unpruned 0.750; target 97 %: reached" in lines[2]
-    assert "keep 0.11: accuracy 0.690 (fastv) = 92.0 % of unpruned 0.750; target 93 %: below target" in lines[3]
-    assert "evidence recall 0.700 (fastv), all questions; target 0.8: below target" in lines[4]  # random excluded
+def test_best_criterion_lines_by_hand() -> None:
+    lines = best_criteria(_rows())
+    assert "97 / 93 / 90 % at keep 0.25 / 0.11 / 0.1" in lines[0] and "0.8 at keep 0.25" in lines[0]
+    assert lines[2] == "- keep 0.25: accuracy 0.730 (fastv) = 97.3 % of unpruned 0.750 (>= 97 %)"
+    assert lines[3] == "- keep 0.11: accuracy 0.690 (fastv) = 92.0 % of unpruned 0.750 (< 93 %)"
+    assert lines[4] == "- keep 0.25: evidence recall 0.700 (fastv), all questions (< 0.8)"  # random excluded
     assert "evidence recall 0.900 (fastv) on the types the unpruned model answers (color)" in lines[5]
     assert "Evidence recall per question type" in markdown_table(_rows())
 
 
-def test_no_goal_lines_without_an_unpruned_reference() -> None:
+def test_no_comparison_without_an_unpruned_reference() -> None:
     rows = [{**r, "accuracy": "0.0"} if r["method"] == "none" else r for r in _rows()]
-    assert goal_summary(rows) == []  # a random-weight model: nothing to take a percentage of
+    assert best_criteria(rows) == []  # a random-weight model: nothing to take a percentage of
 
 
-def test_a_ratio_just_below_its_target_never_reads_as_the_target() -> None:
+def test_a_ratio_just_below_its_level_never_reads_as_the_level() -> None:
     rows = [{**r, "accuracy": "0.832"} if r["method"] == "none" and r["qtype"] == "all" else r for r in _rows()]
     rows = [{**r, "accuracy": "0.807"} if (r["method"], r["keep"], r["qtype"]) == ("fastv", "0.25", "all") else r
             for r in rows]
-    line = goal_summary(rows)[2]
-    assert "= 96.9 % of unpruned 0.832; target 97 %: below target" in line  # 0.807 / 0.832 = 0.96995
+    line = best_criteria(rows)[2]
+    assert line.endswith("= 96.9 % of unpruned 0.832 (< 97 %)")  # 0.807 / 0.832 = 0.96995
 
 
 def test_the_report_explains_its_columns() -> None:
     text = markdown_table(_rows())
     assert text.startswith("| method |") and "Columns: *accuracy*" in text and "bench --speed" in text
+
+
+def _long_row(method: str, keep: float, acc: float, recall: float) -> dict:
+    return {"group": "8 images", "method": method, "keep": str(keep), "qtype": "all", "accuracy": str(acc),
+            "evidence_recall": str(recall)}
+
+
+def test_long_report_best_token_method_lines_by_hand() -> None:
+    from vtprune.eval.accuracy.long_report import best_criteria
+
+    rows = [_long_row("none", 1.0, 0.8, 1.0), _long_row("random", 0.25, 0.9, 0.3),  # random: a reference line
+            _long_row("fastv", 0.25, 0.78, 0.85), _long_row("pdrop", 0.25, 0.7, 0.9), _long_row("fastv", 0.1, 0.7, 0.5)]
+    assert best_criteria(rows, "8 images") == [
+        "- 8 images, keep 0.25: best fastv 0.780 = 97.5 % of unpruned 0.800 (>= 97 %)",
+        "- 8 images, keep 0.1: best fastv 0.700 = 87.5 % of unpruned 0.800 (< 90 %)",
+        "- 8 images, keep 0.25: best evidence recall 0.900 (pdrop) (>= 0.8)"]
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent.name for p in (RESULTS.glob("*/bench.csv"))) +
+                         sorted(p.parent.name for p in RESULTS.glob("*/long.csv")))
+def test_committed_reports_are_what_the_report_writes_from_their_csv(folder) -> None:
+    """Each committed bench.md / long.md equals what the current code writes from the CSV beside it."""
+    from vtprune.eval.accuracy import long_report
+    from vtprune.eval.accuracy.report import read_rows
+
+    if (RESULTS / folder / "bench.csv").is_file():
+        assert (RESULTS / folder / "bench.md").read_text() == markdown_table(read_rows(RESULTS / folder / "bench.csv"))
+    else:
+        rows = read_rows(RESULTS / folder / "long.csv")
+        assert (RESULTS / folder / "long.md").read_text() == long_report.markdown(rows, rows[0])
