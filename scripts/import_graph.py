@@ -1,9 +1,10 @@
 """The import graph of vtprune: internal imports, imports inside functions, type-only imports, cycles, and
 violations of the layer directions.
 
-``python scripts/import_graph.py [--root DIR] [--dot FILE]`` prints counts (the architecture issue's before /
-after numbers), then every violation: a core module importing an application, a module under ``vtprune/``
-importing ``vtprune.eval``, an unclassified module, and the import cycles (``TYPE_CHECKING`` edges included).
+``python scripts/import_graph.py [--root DIR] [--dot FILE]`` prints counts (modules, internal imports, those
+inside functions, type-only ones, cycles), then every violation: a core module importing an application, a
+module under ``vtprune/`` importing ``vtprune.eval``, an unclassified module, and the import cycles
+(``TYPE_CHECKING`` edges included).
 
 Modules are named from their path *relative to the checkout* (``ROOT``, or ``--root``), so the folder the clone
 sits in changes nothing. ``tests/test_architecture.py`` runs these checks.

@@ -16,12 +16,12 @@ _spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" 
 tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
-# Violations that exist today and that issue 26 removes (targets 1 and 3). The lead deletes an entry when its
-# target is met; any violation NOT listed here fails the test, and an entry that no longer occurs fails too.
+# Violations allowed for now, each to be removed with the import it names: any violation NOT listed here fails
+# the test, and an entry that no longer occurs fails too (the list only shrinks). Both are empty: nothing under
+# vtprune/ imports vtprune.eval (the synthetic task lives in vtprune.shapes), and no type-only import closes a
+# cycle (the engine's parts take the plan's Wiring and the call, not the PruneHandle).
 KNOWN_VIOLATIONS_TO_REMOVE: dict[str, set[tuple[str, str]]] = {
-    # target 3 met (the synthetic task moved to vtprune.shapes): nothing left to allow
     "vtprune/ imports vtprune.eval": set(),
-    # target 1 met (the engine's parts take the plan's Wiring and the call, not the PruneHandle): no cycle left
     "type-only edge closing a cycle": set(),
 }
 
@@ -47,7 +47,7 @@ def test_every_allowance_still_occurs():
     type_only = {(e.source, e.target) for e in edges if e.type_only}
     stale = sorted(KNOWN_VIOLATIONS_TO_REMOVE["vtprune/ imports vtprune.eval"] - present["vtprune/ imports vtprune.eval"])
     stale += sorted(KNOWN_VIOLATIONS_TO_REMOVE["type-only edge closing a cycle"] - (present["import cycle"] & type_only))
-    assert stale == [], "remove these from KNOWN_VIOLATIONS_TO_REMOVE: the target they were waiting for is met"
+    assert stale == [], "remove these from KNOWN_VIOLATIONS_TO_REMOVE: the imports they allowed are gone"
 
 
 def test_models_and_type_only_imports_are_read():

@@ -1,4 +1,4 @@
-"""The test tree mirrors the source tree (issue 26, target 8): each test file sits in the folder of the part it
+"""The test tree mirrors the source tree: each test file sits in the folder of the part it
 tests, ``tests/`` itself holds only project-wide checks (and the shared helpers), no two test files of the main
 suite share a name, and no file under ``tests/`` is over 400 lines."""
 

@@ -1,5 +1,6 @@
 """What a user sees before running anything: LICENSE, CITATION.cff, the README's first screen and "Citing" list,
-and no internal project wording in the pages a user reads (README, docs/, docs/results/)."""
+and no internal project wording in the pages a user reads (README, docs/, docs/results/, the model cards) nor in
+the code's and tests' docstrings and comments."""
 
 from __future__ import annotations
 
@@ -13,10 +14,20 @@ import vtprune
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-USER_PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
-# Wording about how this project is run, which no user can act on.
-INTERNAL = [r"\bissue[- ]?\d+", r"\bgoal \d+ ?%", r"\blent\b", r"device tool", r"\bcarry: ", r"ship bar",
-            r"maintainers' (own )?machine", r"internal (algorithm )?notes", r"shared/docs"]
+USER_PAGES = [README, *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "vtprune" / "models").glob("*/README.md"))]
+# Wording about how this project is run, which no user can act on: issue numbers (an upstream issue is cited
+# as owner/name#N), goals, targets and bars met or missed, rounds, interim checkpoints, outside audits.
+INTERNAL = [r"\bissues?[- ]?\d+", r"\bgoals?\b", r"\blent\b", r"device tool", r"\bcarry: ", r"ship bar",
+            r"maintainers' (own )?machine", r"internal (algorithm )?notes", r"shared/docs",
+            r"\(?\btarget \d+(\.\d+)? ?%?\)?:", r"\bbelow target\b", r"\bis met\b", r"\bwas met\b",
+            r"\*\*met\*\*", r": met\b", r"\bthe bar\b", r"\bround \d+\b", r"\binterim\b",
+            r"\boutside (audit|check|cross-check|measurement|run)", r"\baudit(or)?s?\b"]
+# The same in Python docstrings and comments (code itself may use "target" and "round" as words).
+INTERNAL_IN_CODE = [r"\bissues?[- ]?#?\d+", r"\(issue\b", r"\btargets? \d+ (is |was )?met\b",
+                    r"\bround \d+\b", r"\binterim\b", r"\boutside (audit|check)", r"\bthe lead\b", r"\bis met\b"]
+PENDING = {  # pages another change rewrites; the test reports them until then, without failing
+    "docs/serving.md": "its benchmark summary still opens with 'Goal (...): met'",
+}
 
 
 def test_license_is_the_apache_text_pyproject_declares() -> None:
@@ -51,11 +62,44 @@ def test_citing_lists_the_paper_of_every_method() -> None:
     assert not cited_in_code - _arxiv_ids(citing), f"missing from the README's citing list: {cited_in_code - _arxiv_ids(citing)}"
 
 
-@pytest.mark.parametrize("page", USER_PAGES, ids=[str(p.relative_to(ROOT)) for p in USER_PAGES])
+def _pages() -> list:
+    marks = {name: pytest.mark.xfail(reason=why, strict=False) for name, why in PENDING.items()}
+    return [pytest.param(page, id=str(page.relative_to(ROOT)),
+                         marks=[marks[str(page.relative_to(ROOT))]] if str(page.relative_to(ROOT)) in marks else [])
+            for page in USER_PAGES]
+
+
+@pytest.mark.parametrize("page", _pages())
 def test_user_pages_carry_no_internal_wording(page: Path) -> None:
     text = page.read_text()
     found = [m.group(0) for pattern in INTERNAL for m in re.finditer(pattern, text, re.I)]
     assert not found, f"{page.relative_to(ROOT)}: {found}"
+
+
+def _docstrings_and_comments(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every comment and docstring-like string of a Python file."""
+    import io
+    import tokenize
+
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and token.string.lstrip("rbuRBU")[:3]
+                                              in ('"""', "'''")):
+            found.append((token.start[0], token.string))
+    return found
+
+
+def test_code_and_test_docstrings_carry_no_project_log() -> None:
+    """No issue numbers, targets met, rounds or audits in the docstrings and comments of the code and tests."""
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    files = [name for name in files if name != "tests/test_project_files.py"]  # its patterns name the words
+    found = [f"{name}:{line}: {m.group(0)!r}" for name in files if (ROOT / name).is_file()
+             for line, text in _docstrings_and_comments(ROOT / name)
+             for pattern in INTERNAL_IN_CODE for m in re.finditer(pattern, text, re.I)]
+    assert not found, found
 
 
 def test_missing_extra_messages_give_the_command_that_works_from_a_clone() -> None:

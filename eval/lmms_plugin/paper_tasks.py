@@ -6,8 +6,8 @@ Each variant is a YAML that ``include``\\ s the installed lmms-eval task and cha
 * ``vtprune_textvqa_val_ocr``: ``textvqa_val`` with ``ocr: true``. LLaVA-1.5's evaluation
   (``scripts/v1_5/eval/textvqa.sh``) reads ``llava_textvqa_val_v051_ocr.jsonl``, whose prompt is the question, a
   ``Reference OCR token: a, b, ...`` line and the answer instruction; lmms-eval's ``textvqa_val`` leaves the
-  OCR line out (``ocr: false``), which costs about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval issues 6
-  and 51). Scoring is lmms-eval's (the VQA soft accuracy, as LLaVA's ``eval_textvqa.py``).
+  OCR line out (``ocr: false``), which costs about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval#6
+  and #51). Scoring is lmms-eval's (the VQA soft accuracy, as LLaVA's ``eval_textvqa.py``).
 * ``vtprune_pope``: ``pope`` with one more metric, ``pope_f1_llava``: LLaVA's ``llava/eval/eval_pope.py`` keeps the
   answer's first sentence, drops commas and reads "no" when a word is ``No``, ``no`` or ``not`` (else "yes"),
   computes F1 on each split (adversarial, popular, random) and the papers report the mean of the three.

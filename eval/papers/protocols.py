@@ -17,7 +17,7 @@ from vtprune.eval.papers.data import MODELS, PaperRow, Setting, parse_options
 from vtprune.config import Stage, keep_count
 
 PDROP_LAMBDA = 0.5  # PyramidDrop's ratio between stages (layers 8/16/24 keeping 0.5/0.25/0.125 on LLaVA-1.5-7B)
-TEXTVQA_OCR_GAP = "about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval issues 6 and 51)"
+TEXTVQA_OCR_GAP = "about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval#6 and #51)"
 
 
 def average_visual_tokens(stages: tuple[Stage, ...], visual_tokens: int, layers: int) -> float:

@@ -38,7 +38,7 @@ API::
     with count_syncs(only=lambda: flag[0]) as syncs:   # only while a predicate is true
         ...
 
-    # Only inside vtprune's hooks, split by phase: zero in a decode step is the goal.
+    # Only inside vtprune's hooks, split by phase (a decode step should show zero).
     with vtprune.apply(model, "fastv", keep=0.25) as handle, watch_hooks(handle) as hooks, \\
             count_syncs(only=hooks.inside, group=hooks.phase) as syncs:
         model.generate(**inputs, max_new_tokens=8)

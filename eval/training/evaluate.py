@@ -89,7 +89,7 @@ def write_card(out: Path, info: dict, curve: list[dict], test_acc: dict[str, flo
     cols = ["minutes", "step", "loss", "aux_loss"] + [k for k in keys if curve and k in curve[-1]]
     test = ("Accuracy per question type on the held-out **test** split (no pruning, exact match):\n\n"
             + _table([{k: float(v) for k, v in test_acc.items()}], list(test_acc)) if test_acc
-            else "_Test evaluation not run yet (interim export during training; see the learning curve)._\n")
+            else "_Test evaluation not run yet (exported while training runs; see the learning curve)._\n")
     text = f"""# {info['name']}
 
 A tiny `{info['class']}` trained **from scratch on CPU** on the synthetic task

@@ -176,7 +176,7 @@ class Trainer:
         score = (acc["overall"] + max(acc["video"], acc["video_open"])) / 2 if "video" in acc else acc["overall"]
         if score >= self.best[0]:
             self.best = (score, copy.deepcopy(self.model.state_dict()))
-            self.export(out, test_acc=None, status="interim export during training")
+            self.export(out, test_acc=None, status="best validation weights so far, exported while training runs")
         self.save_ckpt(workdir / "ckpt.pt")
 
     def export(self, out: Path, test_acc: dict | None, status: str) -> None:

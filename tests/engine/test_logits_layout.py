@@ -1,4 +1,4 @@
-"""Logits of a pruned prefill in the input layout (issue 24, item 3), against the independent reference.
+"""Logits of a pruned prefill in the input layout (``logits="input"``), against the independent reference.
 
 A pruned prefill runs the layers after a stage on the kept tokens only. By default (``logits="input"``) the
 engine puts the language model's last hidden state back in the input layout, so code that indexes logits by

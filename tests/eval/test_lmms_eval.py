@@ -312,7 +312,7 @@ def test_qwen_loglikelihood_feeds_the_continuation_through_the_cache() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# loglikelihood against the independent reference (issue 24, item 3)
+# loglikelihood against the independent reference (the logits of a pruned prefill in the input layout)
 # ---------------------------------------------------------------------------------------------------------
 LOGLIKELIHOOD_CASES = [
     ("vtprune_llava", "tiny:llava", {"method": "fastv", "layer": 2}),

@@ -1,4 +1,4 @@
-"""``parity="release"`` for VisionZip's contextual tokens and PrefixKV's per-layer counts (issue 24).
+"""``parity="release"`` for VisionZip's contextual tokens and PrefixKV's per-layer counts.
 
 References: the values and counts are computed by hand here (VisionZip: ``target + sum(others) / count``;
 PrefixKV: the release's bisection written out step by step), and through the engine they are compared with a

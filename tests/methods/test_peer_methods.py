@@ -1,4 +1,4 @@
-"""VisionZip, DivPrune, DART and temporal pruning (issue 18): their math against hand-computed cases, their
+"""VisionZip, DivPrune, DART and temporal pruning: their math against hand-computed cases, their
 vision-tower maps against the model's own attention, merging in batches, and their errors."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Built-in methods register themselves: ``import vtprune.methods`` alone registers every scorer class that a
-module of the package declares (issue 26, target 9). Checked in a fresh interpreter, so no other test's imports
+module of the package declares. Checked in a fresh interpreter, so no other test's imports
 can register a module that the package forgot."""
 
 from __future__ import annotations

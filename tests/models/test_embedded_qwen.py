@@ -1,6 +1,6 @@
 """The shipped tiny Qwen2-VL: offline loading, an accuracy floor on images and clips, and GridProbe on clips.
 
-The GridProbe test is the measurement the video issue asks for: on a seeded slice of the `test` video split,
+The GridProbe test measures what frame selection is for: on a seeded slice of the `test` video split,
 the frames GridProbe selects contain an evidence frame more often than the same number of uniformly sampled
 frames. Thresholds are stated next to the measured values.
 """

@@ -1,4 +1,4 @@
-"""The synthetic task moved from ``vtprune.eval.shapes*`` to ``vtprune.shapes`` (issue 26, target 3): the new
+"""The synthetic task moved from ``vtprune.eval.shapes*`` to ``vtprune.shapes``: the new
 paths import without ``vtprune.eval``; the old ones still work for one release, as the same module objects,
 with a ``DeprecationWarning``. Fresh interpreters, so earlier imports cannot hide a warning."""
 
