@@ -19,6 +19,9 @@ from vtprune.models.embedded import embedded_model_path
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# pages whose commands are checked: the docs, the committed results' pages and the model cards
+COMMAND_PAGES = [*DOCS, *sorted((ROOT / "docs" / "results").rglob("*.md")),
+                 *sorted((ROOT / "vtprune" / "models").glob("*/README.md"))]
 
 
 def _block(name: str, path: Path = README) -> str:
@@ -90,15 +93,47 @@ def test_every_python_snippet_parses_and_uses_real_names(doc):
             assert hasattr(importlib.import_module(module), name), f"{doc.name}: {module}.{name} does not exist"
 
 
-def _command_lines(path: Path) -> list[str]:
-    """``vtprune ...`` commands of the ```bash blocks (continuations joined, comments dropped)."""
+def _command_lines(path: Path) -> list[list[str]]:
+    """``vtprune ...`` commands of the ```bash blocks (continuations joined, comments dropped, ``NAME=value``
+    prefixes dropped, ``$(vtprune ...)`` opened, ``$NAME`` replaced by the block's own ``NAME="..."``)."""
     commands = []
     for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+        variables: dict[str, str] = {}
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(re.sub(r" \[[^\]]*\]", "", line), comments=True)  # optional parts: [--json]
+            line = re.sub(r"\$\((vtprune [^)]*)\)", r" \1", re.sub(r" \[[^\]]*\]", "", line))  # optional: [--json]
+            line = re.sub(r"\$(\w+)", lambda m, known=variables: known.get(m.group(1), m.group(0)), line)
+            words = shlex.split(line, comments=True)
+            while words and re.fullmatch(r"\w+=.*", words[0]):
+                name, _, value = words.pop(0).partition("=")
+                variables[name] = value
             if words[:1] == ["vtprune"] and len(words) > 1:
                 commands.append(words[1:])
     return commands
+
+
+def _inline_commands(path: Path) -> list[list[str]]:
+    """Whole ``vtprune ...`` commands quoted inline (`` `vtprune bench ... --out X` ``) outside code blocks; synopses
+    with placeholders (``KIND``, ``<folder>``, ``...``), ``--help`` and mentions of one option are left out."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    commands = []
+    for span in re.findall(r"`(vtprune [^`]+)`", text):
+        span = re.sub(r" \[[^\]]*\]", "", " ".join(span.split()))
+        if re.search(r"\.\.\.|<\w+>|\b[A-Z]{3,}\b|: error", span):
+            continue
+        words = shlex.split(span)
+        if any(word.startswith("--") for word in words) and "--help" not in words and not _option_mention(words):
+            commands.append(words[1:])
+    return commands
+
+
+def _option_mention(words: list[str]) -> bool:
+    """``vtprune run --video`` names an option in prose: one option, and it needs a value it is not given."""
+    return len(words) == 3 and words[2] in {"--video", "--image", "--model", "--method"}
+
+
+def _all_commands(path: Path) -> list[list[str]]:
+    inline = [] if path.name == "serving.md" else _inline_commands(path)  # serving.md: its own page's checks
+    return _command_lines(path) + inline
 
 
 class _Parsed(Exception):
@@ -123,18 +158,56 @@ def _parse_bench_kind(kind: str, module: str, argv: list[str], monkeypatch) -> N
             run_bench_kind(kind, module, argv)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[p.name for p in DOCS])
+@pytest.mark.parametrize("doc", COMMAND_PAGES, ids=[str(p.relative_to(ROOT)) for p in COMMAND_PAGES])
 def test_every_documented_command_line_parses(doc, monkeypatch):
     from vtprune.cli import build_parser, parse_command
     from vtprune.cli.commands import bench_kind_main
 
     parser = build_parser()
-    for words in _command_lines(doc):
+    failed = []
+    for words in _all_commands(doc):
         try:
             kind = bench_kind_main(words)  # `bench KIND ...`: the kind's own options
             parse_command(parser, words) if kind is None else _parse_bench_kind(*kind, monkeypatch)
         except SystemExit:
-            pytest.fail(f"{doc.name}: `vtprune {' '.join(words)}` does not parse")
+            failed.append(f"vtprune {' '.join(words)}")
+    assert not failed, f"{doc.relative_to(ROOT)}: these do not parse: {failed}"
+
+
+OUTPUT_OPTIONS = ("--out", "--workdir", "--curve")
+
+
+def _outputs(words: list[str]) -> list[str]:
+    """The paths a ``vtprune`` command line writes into: its output options, ``train-dense compact``'s DST,
+    ``speed-report``'s folder when ``--merge`` replaces its CSV."""
+    paths = [words[i + 1] for i, word in enumerate(words[:-1]) if word in OUTPUT_OPTIONS]
+    if words[:3] == ["bench", "train-dense", "compact"] and len(words) > 4:
+        paths.append(words[4])
+    if words[:2] == ["bench", "speed-report"] and "--merge" in words and len(words) > 2:
+        paths.append(words[2])
+    return paths
+
+
+@pytest.mark.parametrize("doc", COMMAND_PAGES, ids=[str(p.relative_to(ROOT)) for p in COMMAND_PAGES])
+def test_documented_commands_that_replace_committed_files_say_force(doc):
+    """A command writing into a committed file or folder (a shipped model, docs/results) is refused without
+    ``--force`` since commands keep earlier results: the documented line must carry it to run as written."""
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    folders = {str(Path(name).parent) for name in tracked} | {str(parent) for name in tracked
+                                                              for parent in Path(name).parents}
+    missing = [" ".join(["vtprune", *words]) for words in _all_commands(doc) if "--force" not in words
+               and any(str(Path(path)) in tracked or str(Path(path)) in folders for path in _outputs(words))]
+    assert not missing, f"{doc.relative_to(ROOT)}: add --force (they replace committed files): {missing}"
+
+
+def test_the_force_check_sees_each_way_of_naming_an_output():
+    assert _outputs(["bench", "long", "--out", "docs/results/long-video-qwen2vl"]) == ["docs/results/long-video-qwen2vl"]
+    assert _outputs(["bench", "train", "--workdir", "w", "--out", "m"]) == ["w", "m"]
+    assert _outputs(["bench", "train-dense", "compact", "a.pt", "b.pt"]) == ["b.pt"]
+    assert _outputs(["bench", "speed-report", "docs/results/speed-proxy"]) == []  # redrawn from its own CSV
+    assert _outputs(["bench", "speed-report", "d", "--merge", "x.csv"]) == ["d"]
 
 
 def test_readme_commands_use_schedules_the_default_model_has_room_for():
