@@ -63,10 +63,11 @@ def test_citing_lists_the_paper_of_every_method() -> None:
 
 
 def _pages() -> list:
+    """The user pages, and the papers' data file whose notes the reproduce table prints."""
     marks = {name: pytest.mark.xfail(reason=why, strict=False) for name, why in PENDING.items()}
     return [pytest.param(page, id=str(page.relative_to(ROOT)),
                          marks=[marks[str(page.relative_to(ROOT))]] if str(page.relative_to(ROOT)) in marks else [])
-            for page in USER_PAGES]
+            for page in [*USER_PAGES, ROOT / "eval" / "papers" / "papers.csv"]]
 
 
 @pytest.mark.parametrize("page", _pages())

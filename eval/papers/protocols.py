@@ -110,7 +110,7 @@ def protocol_note(row: PaperRow, mmbench: str) -> str:
                      "(size not measured)")
     if "budget=average" in row.options:
         notes.append("average-budget schedule chosen by vtprune (the re-running papers publish no layer lists; "
-                     "size unknown); the published re-runs disagree by up to 25 points, the target is unstable")
+                     "size unknown); the published re-runs disagree by up to 25 points, so the reference numbers are unstable")
     if row.method == "visionzip" and row.model.startswith("llava"):
         notes.append("VisionZip: CLS not among the dominant tokens and contextual tokens merged after the projector "
                      "(docs/methods.md; size not measured)")
