@@ -58,10 +58,10 @@ class PrunedManager(FullAttentionManager):
         return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens),
                                            self._slots(request_id, num_tokens_main_model))
 
-    def cache_blocks(self, request: Any, num_tokens: int) -> None:
+    def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self.pruned.get(request.request_id):
             return
-        super().cache_blocks(request, num_tokens)
+        super().cache_blocks(request, num_tokens, *args, **kwargs)
 
 
 KVCacheSpecRegistry._ensure_registered()  # vLLM's own specs first: registering ours must not pre-empt them

@@ -191,7 +191,7 @@ class LayerwiseRuntime:
                 continue
             record, rows = entry.record, slice(entry.start, entry.start + entry.prompt_rows())
             if entry.kind == "defer":
-                entry.chunk.score_input = stream[rows]
+                entry.chunk.score_input = stream[rows].clone()
                 continue
             if stage == 0:
                 record.view = RequestView.whole_prompt(entry.step.prompt, record.visual)
@@ -225,7 +225,9 @@ class LayerwiseRuntime:
         place, hidden, residual = piece
         count = entry.prompt_rows()
         chunk = entry.chunk
-        chunk.positions, chunk.hidden, chunk.residual = place[..., :count], hidden[:count], residual[:count]
+        # copies: ``positions`` is a view of the runner's buffer, which the next step overwrites
+        chunk.positions, chunk.hidden = place[..., :count].clone(), hidden[:count].clone()
+        chunk.residual = residual[:count].clone()
         chunk.captures = entry.captures
         return place[..., -1:], hidden[-1:], residual[-1:]
 
