@@ -1,7 +1,8 @@
 """Shared engines and inputs of the vLLM plugin tests (run by the vLLM venv's pytest: bash scripts/setup_vllm.sh).
 
-vLLM engines take about a minute to start on a CPU, so each test module starts at most two (module-scoped)
-and runs several tests on each; one engine is alive at a time. Settings: float32, eager, 1 thread, 1 GiB KV.
+Engines run in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: a start takes 5-20 s on 2 cores) and are
+module- or class-scoped, several tests on each; one engine is alive at a time. Settings: float32, eager, 1 thread,
+1 GiB KV.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import pytest
 
 for key, value in {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                    "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
-                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}.items():
+                   "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+                   # engines in the test process (a start takes 5-20 s instead of about a minute on 2 cores);
+                   # tensor parallelism still runs its ranks in worker processes
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(key, value)
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -2,7 +2,7 @@
 ``save_pretrained`` so that vLLM and vtprune's transformers path load the same weights.
 
 The text models take the embedded models' sizes (hidden 192, 4 heads of 48: head sizes vLLM's CPU attention
-supports) and tokenizers (the embedded LLaVA's for the LLaVA family, the embedded Qwen2-VL's for Qwen3-VL).
+supports; 2 decoder layers, or ``layers``) and tokenizers (the embedded LLaVA's for the LLaVA family, the embedded Qwen2-VL's for Qwen3-VL).
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def _save(model_cls, config, target: Path, seed: int) -> None:
     (target / "generation_config.json").write_text(json.dumps({"eos_token_id": config.text_config.eos_token_id}))
 
 
-def _llava_parts(target: Path, text_cls: type, vision_cls: type, **vision_extra) -> tuple[dict, object, object]:
+def _llava_parts(target: Path, text_cls: type, vision_cls: type, layers: int = 2, **vision_extra
+                 ) -> tuple[dict, object, object]:
     """The embedded LLaVA's tokenizer copied into ``target`` (its config returned), a text config and a 2-layer
     vision config (112 px images, 28 px patches: a 4 x 4 base view) for a LLaVA-family checkpoint."""
     base = _copy_tokenizer("llava", target)
     text = text_cls(vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                    **TEXT)
+                    **dict(TEXT, num_hidden_layers=layers))
     vision = vision_cls(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                         image_size=112, patch_size=28, **vision_extra)
     return base, text, vision
@@ -71,7 +72,7 @@ def _processor_parts(target: Path) -> dict:
             "chat_template": (target / "chat_template.jinja").read_text()}
 
 
-def llava_next_folder(target: Path, seed: int = 0) -> Path:
+def llava_next_folder(target: Path, seed: int = 0, layers: int = 2) -> Path:
     """LLaVA-NeXT: CLIP 112 px / 28 px patches (16 base tokens), tiles of 112 px up to 2 x 2."""
     from transformers import (
         CLIPVisionConfig,
@@ -82,7 +83,7 @@ def llava_next_folder(target: Path, seed: int = 0) -> Path:
         LlavaNextProcessor,
     )
 
-    base, text, vision = _llava_parts(target, LlamaConfig, CLIPVisionConfig, hidden_act="quick_gelu")
+    base, text, vision = _llava_parts(target, LlamaConfig, CLIPVisionConfig, layers, hidden_act="quick_gelu")
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_token_id=base["image_token_index"],
                              vision_feature_layer=-1, vision_feature_select_strategy="default",
                              image_grid_pinpoints=PINPOINTS, tie_word_embeddings=False)
@@ -95,7 +96,7 @@ def llava_next_folder(target: Path, seed: int = 0) -> Path:
     return target
 
 
-def llava_onevision_folder(target: Path, seed: int = 0) -> Path:
+def llava_onevision_folder(target: Path, seed: int = 0, layers: int = 2) -> Path:
     """LLaVA-OneVision: SigLIP 112 px / 28 px patches (16 base tokens), anyres tiles up to 2 x 1 (never downsized)."""
     from transformers import (
         LlavaOnevisionConfig,
@@ -107,7 +108,7 @@ def llava_onevision_folder(target: Path, seed: int = 0) -> Path:
         SiglipVisionConfig,
     )
 
-    base, text, vision = _llava_parts(target, Qwen2Config, SiglipVisionConfig)
+    base, text, vision = _llava_parts(target, Qwen2Config, SiglipVisionConfig, layers)
     video_token = _add_token(target, "<video>")  # the embedded tokenizer has no video token
     text.vocab_size = video_token + 1
     pinpoints = [[112, 112], [112, 224], [224, 112]]
@@ -123,13 +124,13 @@ def llava_onevision_folder(target: Path, seed: int = 0) -> Path:
     return target
 
 
-def qwen3_vl_folder(target: Path, seed: int = 0) -> Path:
+def qwen3_vl_folder(target: Path, seed: int = 0, layers: int = 2) -> Path:
     """Qwen3-VL: 2 ViT blocks (16 px patches, 2 x 2 merge) with DeepStack after both, interleaved M-RoPE."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     base = _copy_tokenizer("qwen2_vl", target)
     text = dict(TEXT, vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1,
-                eos_token_id=base["eos_token_id"],
+                eos_token_id=base["eos_token_id"], num_hidden_layers=layers,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 8, 8],
                                  "mrope_interleaved": True})
     vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=192, patch_size=16,
@@ -147,14 +148,14 @@ def qwen3_vl_folder(target: Path, seed: int = 0) -> Path:
     return target
 
 
-def qwen2_5_vl_folder(target: Path, seed: int = 0) -> Path:
+def qwen2_5_vl_folder(target: Path, seed: int = 0, layers: int = 2) -> Path:
     """Qwen2.5-VL: 2 ViT blocks (14 px patches, 2 x 2 merge), block 0 full attention and block 1 in windows of
     2 x 2 merged tokens (56 px), so a 112 px image's blocks see its tokens in window order, not token order."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     base = _copy_tokenizer("qwen2_vl", target)
     text = dict(TEXT, vocab_size=base["text_config"]["vocab_size"], pad_token_id=0, bos_token_id=1,
-                eos_token_id=base["eos_token_id"],
+                eos_token_id=base["eos_token_id"], num_hidden_layers=layers,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 8, 8]})
     vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=192, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0],

@@ -34,6 +34,10 @@ class PrunedAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, vllm_config: Any) -> int:
         return cdiv(vllm_config.model_config.max_model_len, self.block_size) * self.page_size_bytes
 
+    def as_full(self) -> FullAttentionSpec:
+        """The ``FullAttentionSpec`` of the same layout (what a request that prunes nothing sees)."""
+        return FullAttentionSpec(**{f.name: getattr(self, f.name) for f in fields(AttentionSpec) if f.init})
+
 
 class PrunedManager(FullAttentionManager):
     """Full-attention bookkeeping with ``tokens - pruned[region]`` slots per pruned request; no prefix-cache entries
@@ -57,6 +61,15 @@ class PrunedManager(FullAttentionManager):
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list:
         return super().allocate_new_blocks(request_id, self._slots(request_id, num_tokens),
                                            self._slots(request_id, num_tokens_main_model))
+
+    @classmethod
+    def find_longest_cache_hit(cls, *args: Any, **kwargs: Any) -> Any:
+        """Prefix-cache hits of requests that prune nothing (pruned requests skip the lookup; their blocks are
+        never cached), found as in full attention."""
+        spec = kwargs.get("kv_cache_spec")
+        if isinstance(spec, PrunedAttentionSpec):
+            kwargs["kv_cache_spec"] = spec.as_full()
+        return super().find_longest_cache_hit(*args, **kwargs)
 
     def cache_blocks(self, request: Any, num_tokens: int, *args: Any, **kwargs: Any) -> None:
         if self.pruned.get(request.request_id):
