@@ -5,7 +5,6 @@ The engine tests live in tests/vllm and run in the vLLM venv (test.sh); this fil
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -366,41 +365,3 @@ def test_tile_groups_budget_base_view_and_tiles_apart():
     base = sorted(max_min_order(cosine_distance(rows[:4]), 2).tolist())
     tiles = sorted((max_min_order(cosine_distance(rows[4:]), 3) + 4).tolist())
     assert kept == base + tiles
-
-
-def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
-    import vtprune.vllm.serve as serve
-
-    code, _, err = cli("serve", "--method", "prefixkv")
-    assert code == 2 and "not available in the vLLM plugin" in err and err.count("\n") == 1
-    code, _, err = cli("serve", "--keep", "0")
-    assert code == 2 and "outside (0, 1]" in err
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"]}))
-    code, _, err = cli("serve", str(tmp_path), "--dry-run")
-    assert code == 2 and "not supported in vLLM" in err
-    monkeypatch.delenv("VTPRUNE_VLLM_PYTHON", raising=False)
-    monkeypatch.setattr(serve, "VENV_PYTHON", tmp_path / "missing" / "python")
-    monkeypatch.setattr(serve, "has_vllm", lambda: False)
-    code, _, err = cli("serve")
-    assert code == 2 and "bash scripts/setup_vllm.sh" in err and err.count("\n") == 1
-
-
-def test_serve_command_line(cli):
-    code, out, _ = cli("serve", "embedded:qwen2_vl", "--keep", "0.5", "--dry-run", "--max-num-seqs", "4")
-    assert code == 0
-    assert "vllm.entrypoints.openai.api_server" in out and "--max-num-seqs 4" in out and "--dtype float32" in out
-    overrides = json.loads(out.split("--hf-overrides ")[1].split(" --host")[0])
-    assert overrides == {"vtprune": {"method": "divprune", "keep": 0.5, "seed": 0},
-                         "architectures": ["VtpruneQwen2VLForConditionalGeneration"]}
-    assert "--limit-mm-per-prompt" not in out
-
-
-def test_serve_qwen3_vl_serves_images_and_video(cli, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3VLForConditionalGeneration"]}))
-    code, out, _ = cli("serve", str(tmp_path), "--dry-run")
-    assert code == 0 and "VtpruneQwen3VLForConditionalGeneration" in out
-    assert "--limit-mm-per-prompt" not in out  # vLLM's own limits: images and video
-    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--method", "vflowopt")  # scores images only
-    assert code == 0 and '--limit-mm-per-prompt {"image": 4, "video": 0}' in out
-    code, out, _ = cli("serve", str(tmp_path), "--dry-run", "--method", "vflowopt", "--limit-mm-per-prompt", '{"image": 1}')
-    assert out.count("--limit-mm-per-prompt") == 1

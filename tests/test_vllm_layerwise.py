@@ -1,0 +1,150 @@
+"""The layer-wise vLLM plugin's pure parts in the main venv (no vLLM here): plans, layouts, request reading,
+chunk merging and the start-up checks. Engine tests: tests/vllm/test_layerwise*.py (vLLM venv)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vtprune.layout import select_kept
+from vtprune.vllm.layerwise import config as lw_config
+from vtprune.vllm.layerwise.layout import StepRequest, region_layout, slot_mapping
+from vtprune.vllm.layerwise.plan import make_layer_plan
+from vtprune.vllm.layerwise.requests import pruned_table, request_keep, visual_positions
+from vtprune.vllm.layerwise.scoring import RequestView, merge_states, select
+
+
+def test_fastv_and_pdrop_counts_by_hand():
+    fastv = make_layer_plan("fastv", 0.25, 4)
+    assert fastv.layers == (2,) and fastv.score_layers == (1,)
+    assert fastv.kept_counts(16, 0.25) == (4,) and fastv.pruned_counts(16, 0.25) == (0, 12)
+    assert fastv.pruned_counts(16, 1.0) == (0, 0) and fastv.pruned_counts(0, 0.25) == (0, 0)
+    assert [fastv.region_of_layer(i) for i in range(4)] == [0, 0, 1, 1]
+    pdrop = make_layer_plan("pdrop", 0.25, 4)
+    # layers L/4, L/2, 3L/4 = 1, 2, 3 keep 0.25^(1/3) = 0.63, 0.25^(2/3) = 0.397, 0.25 of 16: 10, 6, 4 tokens
+    assert pdrop.layers == (1, 2, 3) and pdrop.kept_counts(16, 0.25) == (10, 6, 4)
+    assert pdrop.pruned_counts(16, 0.25) == (0, 6, 10, 12)
+    assert make_layer_plan("fastv", 0.5, 32, layer=3).kept_counts(576, 0.5) == (288,)
+
+
+@pytest.mark.parametrize("method, kwargs, match", [
+    ("pdrop", {"min_layer": 2}, "cannot prune at layer 1"),
+    ("fastv", {"layer": 0}, "layer"),
+    ("prefixkv", {}, "retains KV entries"),
+    ("fastv", {"options": {"bogus": 1}}, "bad options"),
+])
+def test_bad_plans_refused(method, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_layer_plan(method, 0.25, 4, **kwargs)
+
+
+def test_step_kinds_rows_and_kv_positions_by_hand():
+    pruned = (0, 12)
+    defer = StepRequest(0, 0, 8, 0, 26, pruned)
+    final = StepRequest(1, 8, 10, 16, 26, pruned)
+    decode = StepRequest(2, 18, 1, 26, 26, pruned)
+    plain = StepRequest(3, 19, 5, 3, 10, (0, 0))
+    recompute = StepRequest(4, 24, 30, 0, 26, pruned)  # a preempted request: prompt and 4 generated tokens again
+    assert [r.kind for r in (defer, final, decode, plain, recompute)] == ["defer", "final", "decode", "plain", "final"]
+    assert [r.rows(1) for r in (defer, final, decode, plain, recompute)] == [1, 14, 1, 5, 18]
+    assert [r.seq_len(1) for r in (defer, final, decode, plain, recompute)] == [1, 14, 15, 8, 18]
+    assert decode.kv_positions(1).tolist() == [14] and final.kv_positions(1).tolist() == list(range(14))
+    assert plain.kv_positions(1).tolist() == [3, 4, 5, 6, 7] and defer.kv_positions(1).tolist() == [0]
+    assert [r.rows(0) for r in (defer, final, decode)] == [8, 10, 1] and final.seq_len(0) == 26
+
+
+def test_region_layout_and_slots_by_hand():
+    requests = [StepRequest(0, 0, 1, 26, 26, (0, 12)), StepRequest(1, 1, 3, 2, 30, (0, 0))]
+    layout = region_layout(requests, 1)
+    assert layout.indices == [0, 1] and layout.query_lens == [1, 3] and layout.seq_lens == [15, 5]
+    assert layout.query_start_loc().tolist() == [0, 1, 4] and layout.kv_positions.tolist() == [14, 2, 3, 4]
+    table = torch.tensor([[7, 9], [3, 0]], dtype=torch.int32)  # request 0 holds blocks 7, 9; request 1 block 3
+    # blocks of 8 slots: KV index 14 is slot 6 of request 0's second block; 2-4 are slots 2-4 of request 1's first
+    assert slot_mapping(table, 8, layout).tolist() == [9 * 8 + 6, 3 * 8 + 2, 3 * 8 + 3, 3 * 8 + 4]
+
+
+def test_request_reading_from_features():
+    data = {"vtprune_keep_image": SimpleNamespace(data=torch.tensor(500_000))}
+    image = SimpleNamespace(modality="image", data=data,
+                            mm_position=SimpleNamespace(offset=3, length=4, is_embed=None))
+    video = SimpleNamespace(modality="video", data=None,  # a timestamp (not an embedding) inside its range
+                            mm_position=SimpleNamespace(offset=10, length=5,
+                                                        is_embed=torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool)))
+    assert visual_positions([video, image]).tolist() == [3, 4, 5, 6, 10, 11, 13, 14]
+    assert request_keep([video, image], 0.25) == 0.5 and request_keep([video], 0.25) == 0.25
+    plan = make_layer_plan("fastv", 0.25, 4)
+    assert pruned_table(plan, [video, image], 0.25) == (0, 4) and pruned_table(plan, [], 0.25) == (0, 0)
+
+
+def test_select_keeps_text_and_the_transformers_paths_top_visual_rows():
+    view = RequestView.whole_prompt(8, torch.tensor([1, 2, 3, 4, 5]))
+    scores = torch.tensor([[9.0, 0.1, 0.5, 0.3, 0.9, 0.2, 9.0, 9.0]])
+    rows = select(scores, view, 2)
+    mask = select_kept(scores, view.visual[None], torch.ones(1, 8, dtype=torch.bool), torch.tensor([2]))
+    assert rows.tolist() == mask[0].nonzero().flatten().tolist() == [0, 2, 4, 6, 7]
+    assert view.take(rows).ordinal.tolist() == [-1, 1, 3, -1, -1]
+
+
+def test_chunk_states_merge_along_tokens():
+    first = {"ttv_pending": [(torch.ones(1, 2), torch.zeros(1, 2))], "norms": {3: torch.ones(1, 2)}, "inputs": {}}
+    second = {"ttv_pending": [(torch.full((1, 3), 2.0), torch.ones(1, 3))], "norms": {3: torch.zeros(1, 3)},
+              "inputs": {}}
+    merged = merge_states([first, second])
+    magnitude, direction = merged["ttv_pending"][0]
+    assert magnitude.tolist() == [[1, 1, 2, 2, 2]] and direction.tolist() == [[0, 0, 1, 1, 1]]
+    assert merged["norms"][3].tolist() == [[1, 1, 0, 0, 0]] and merged["inputs"] == {}
+    with pytest.raises(RuntimeError, match="differ between the chunks"):
+        merge_states([{"x": [1]}, {"x": [1, 2]}])
+
+
+def engine_config(**changes):
+    """A stand-in for vLLM's engine config with the fields the layer-wise start-up reads."""
+    hf = SimpleNamespace(vtprune={"method": "fastv", "keep": 0.25}, model_type="llava", vision_config=None)
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=hf, hf_text_config=SimpleNamespace(num_hidden_layers=4),
+                                     enforce_eager=False),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
+                                        prefill_context_parallel_size=1, enable_dbo=False),
+        scheduler_config=SimpleNamespace(async_scheduling=None, scheduler_cls=None,
+                                         disable_hybrid_kv_cache_manager=False),
+        speculative_config=None, kv_transfer_config=None)
+    for path, value in changes.items():
+        owner, name = path.split(".")
+        setattr(getattr(config, owner), name, value)
+    return config
+
+
+def test_start_up_sets_the_scheduler_and_eager_execution():
+    config = engine_config()
+    lw_config.LayerwiseConfig.verify_and_update_config(config)
+    assert config.scheduler_config.scheduler_cls == lw_config.SCHEDULER
+    assert config.scheduler_config.async_scheduling is False and config.model_config.enforce_eager is True
+    pre_llm = engine_config()
+    pre_llm.model_config.hf_config.vtprune = {"method": "divprune", "keep": 0.25}
+    lw_config.LayerwiseConfig.verify_and_update_config(pre_llm)
+    assert pre_llm.scheduler_config.scheduler_cls is None  # pre-LLM methods keep vLLM's own scheduler
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"parallel_config.pipeline_parallel_size": 2}, "pipeline parallelism"),
+    ({"parallel_config.decode_context_parallel_size": 2}, "context parallelism"),
+    ({"speculative_config": None, "scheduler_config.async_scheduling": True}, "async_scheduling"),
+    ({"scheduler_config.scheduler_cls": "mypkg.MyScheduler"}, "scheduler_cls"),
+    ({"scheduler_config.disable_hybrid_kv_cache_manager": True}, "disable_hybrid_kv_cache_manager"),
+    ({"parallel_config.enable_dbo": True}, "micro-batching"),
+])
+def test_start_up_refusals_are_one_line(change, match):
+    config = engine_config(**{k: v for k, v in change.items() if "." in k})
+    with pytest.raises(ValueError, match=match) as error:
+        lw_config.LayerwiseConfig.verify_and_update_config(config)
+    assert "\n" not in str(error.value)
+
+
+def test_speculative_decoding_and_kv_connectors_refused():
+    for field in ("speculative_config", "kv_transfer_config"):
+        config = engine_config()
+        setattr(config, field, object())
+        with pytest.raises(ValueError, match="speculative|connector"):
+            lw_config.LayerwiseConfig.verify_and_update_config(config)
