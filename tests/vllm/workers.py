@@ -36,3 +36,25 @@ def set_broadcast(model, enabled: bool) -> None:
     if not hasattr(ranks, "_vtprune_test_broadcast"):
         ranks._vtprune_test_broadcast = ranks.broadcast_from_first_rank
     ranks.broadcast_from_first_rank = ranks._vtprune_test_broadcast if enabled else (lambda rows: rows)
+
+
+def break_layerwise(model, part: str | None) -> str | None:
+    """Test control of the layer-wise hooks: ``"compaction"`` keeps each stage's lowest-scored visual tokens,
+    ``"decode_shift"`` writes and reads a pruned request's decode KV as if nothing had been pruned; ``None``
+    restores both. The change is to the modules' functions, in this worker process."""
+    from vtprune.vllm.layerwise import layout, runtime
+
+    saved = runtime.__dict__.setdefault("_vtprune_test_saved", {"select": runtime.select,
+                                                                "seq_len": layout.StepRequest.seq_len})
+    runtime.select = saved["select"]
+    layout.StepRequest.seq_len = saved["seq_len"]
+    if part == "compaction":
+        runtime.select = lambda scores, view, kept: saved["select"](-scores, view, kept)
+    elif part == "decode_shift":
+        def unshifted(self, region):
+            if self.kind == "decode":
+                return self.computed + self.scheduled
+            return saved["seq_len"](self, region)
+
+        layout.StepRequest.seq_len = unshifted
+    return part

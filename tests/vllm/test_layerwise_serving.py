@@ -1,0 +1,154 @@
+"""Serving behaviour of the layer-wise plugin on the embedded LLaVA (FastV at layer 2).
+
+* Controls: the same check (token ids and six steps of log-probabilities against vtprune's transformers path) fails
+  when the compaction keeps the wrong tokens or when decode steps forget the pruned tokens' shift.
+* Per-request keeps in one batch (0.25, 0.5, 1.0) each equal the transformers path at that keep.
+* KV memory: a pruned request holds ``ceil((tokens - pruned) / block)`` blocks in the pruned layers' groups and
+  ``ceil(tokens / block)`` in the others (read from the scheduler's KV managers while it runs).
+* Preemption: with a KV cache too small for the batch, preempted requests are recomputed and still equal the
+  transformers path; chunks of 4 tokens end inside the images.
+* Settings the methods cannot serve are refused when the engine starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+import pytest
+import reference
+from conftest import shutdown
+from layerwise_support import STEPS, TOLERANCE, engine_steps, reference_steps, selections, step_gap
+from test_layerwise import start
+from workers import break_layerwise
+
+
+@pytest.fixture(scope="module")
+def prompts(items):
+    return list(items[:3]) + [([items[3][0], items[4][0]], items[3][1])]
+
+
+@pytest.fixture(scope="module")
+def llava():
+    from vtprune.vllm.export import model_folder
+
+    folder = model_folder("embedded:llava")
+    return folder, reference.load_folder(folder)
+
+
+@pytest.fixture(scope="module")
+def fastv(llava):
+    llm = start(llava[0], "llava", "fastv")
+    yield llm
+    shutdown(llm)
+
+
+def test_controls_that_break_compaction_or_the_decode_shift_fail_the_check(fastv, llava, prompts):
+    model, processor = llava[1]
+    want = reference_steps(model, processor, prompts, "fastv", 0.25)
+    assert step_gap(engine_steps(fastv, prompts), want) < TOLERANCE
+    try:
+        for part in ("compaction", "decode_shift"):
+            fastv.apply_model(functools.partial(break_layerwise, part=part))
+            assert step_gap(engine_steps(fastv, prompts), want) > 0.01, part
+    finally:
+        fastv.apply_model(functools.partial(break_layerwise, part=None))
+    assert step_gap(engine_steps(fastv, prompts), want) < TOLERANCE
+
+
+def test_per_request_keeps_in_one_batch(fastv, llava, prompts):
+    model, processor = llava[1]
+    keeps = [0.25, 0.5, 1.0, 0.25]
+    want = {keep: reference_steps(model, processor, prompts, "fastv" if keep < 1 else None, keep)
+            for keep in set(keeps)}
+    from layerwise_support import prompt
+    from vllm import SamplingParams
+
+    requests = [{"prompt": prompt(fastv.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
+                 "multi_modal_data": {"image": i}, "mm_processor_kwargs": {"vtprune_keep": keep}}
+                for (i, q), keep in zip(prompts, keeps)]
+    outputs = fastv.generate(requests, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True),
+                             use_tqdm=False)
+    for index, (output, keep) in enumerate(zip(outputs, keeps)):
+        got = [(list(output.outputs[0].token_ids),
+                [{t: p.logprob for t, p in top.items()} for top in output.outputs[0].logprobs])]
+        assert step_gap(got, [want[keep][index]]) < TOLERANCE, keep
+
+
+def test_pruned_groups_hold_only_the_kept_tokens(fastv, prompts):
+    """The two-image prompt: 32 visual tokens, 24 pruned at keep 0.25; blocks of 32 slots."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vtprune.vllm.layerwise.kv import PrunedManager
+
+    peak: dict[tuple[str, bool], int] = collections.defaultdict(int)
+    original = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            for request_id, blocks in manager.req_to_blocks.items():
+                key = (request_id, isinstance(manager, PrunedManager))
+                peak[key] = max(peak[key], len(blocks))
+        return out
+
+    Scheduler.schedule = schedule
+    try:
+        from layerwise_support import prompt
+        from vllm import SamplingParams
+
+        (image, question), = prompts[3:]
+        output, = fastv.generate([{"prompt": prompt(fastv.get_tokenizer(), question, 2),
+                                   "multi_modal_data": {"image": image}}],
+                                 SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        Scheduler.schedule = original
+    slots = len(output.prompt_token_ids) + STEPS - 1  # the last sampled token is never written
+    full, pruned = ({v for (_, p), v in peak.items() if p == flag} for flag in (False, True))
+    assert full == {math.ceil(slots / 32)} and pruned == {math.ceil((slots - 24) / 32)}
+    assert max(pruned) < max(full)
+
+
+def test_preempted_requests_are_recomputed_exactly(llava, prompts):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    model, processor = llava[1]
+    want = reference_steps(model, processor, prompts, "fastv", 0.25, steps=16)
+    preempted = []
+    original = Scheduler._preempt_request
+
+    def preempt(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    llm = start(llava[0], "llava", "fastv", max_model_len=64, num_gpu_blocks_override=6, max_num_batched_tokens=4,
+                max_num_seqs=4)
+    Scheduler._preempt_request = preempt
+    try:
+        selections(llm)
+        got = engine_steps(llm, prompts, steps=16)
+        kept = selections(llm)
+    finally:
+        Scheduler._preempt_request = original
+        shutdown(llm)
+    assert preempted, "the KV cache was large enough: nothing was preempted"
+    assert step_gap(got, want) < TOLERANCE
+    assert set(map(tuple, kept)) == {tuple(k) for _, k, _ in want}  # a recomputed prompt keeps the same tokens
+
+
+@pytest.mark.parametrize("method, options, match", [
+    ("pdrop", {}, "cannot prune at layer 1"),  # Qwen3-VL: DeepStack feeds layers 0 and 1
+    ("prefixkv", {}, "not available in the vLLM plugin"),
+    ("fastv", {"async_scheduling": True}, "async_scheduling"),
+])
+def test_unservable_settings_refused_at_start(qwen3, method, options, match):
+    with pytest.raises(Exception, match=match):
+        start(qwen3, "qwen3_vl", method, **options)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from tiny_folders import BUILDERS
+
+    return str(BUILDERS["qwen3_vl"](tmp_path_factory.mktemp("qwen3_vl"), layers=4))
