@@ -2,7 +2,8 @@
 
 Every rank runs the tower and the selection; the plugin makes the ranks keep rank 0's rows (a broadcast), so a
 rank whose embeddings differ by float noise cannot select other tokens than the others and desynchronise the
-prompt silently. Checked: the kept rows on both ranks and the greedy answers equal vtprune's transformers path;
+prompt silently. A layer-wise method (FastV) scores with every rank's heads gathered, so the ranks agree and equal
+the transformers path. Checked: the kept rows on both ranks and the greedy answers equal vtprune's transformers path;
 with rank 1's embeddings perturbed, both ranks still keep rank 0's rows, and with the broadcast switched off in
 the workers the same perturbation makes rank 1 select other rows (so the check can fail).
 """
@@ -15,23 +16,29 @@ import os
 import pytest
 import reference
 from conftest import generate, make_llm, shutdown
-from workers import perturb_rank_one, restore, set_broadcast
+from layerwise_support import TOLERANCE, engine_steps, reference_steps, step_gap
+from workers import perturb_rank_one, restore, set_broadcast, set_head_gather
 
 ITEMS = 4
 
 
-@pytest.fixture(scope="module")
-def engine():
+def two_ranks(**options):
+    """An engine with tensor parallelism 2 on the embedded Qwen2-VL (each rank bound to its own core)."""
     cpus = sorted(os.sched_getaffinity(0))
     previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[-1]}"  # one NUMA node here: bind each rank by hand
     try:
-        llm = make_llm("qwen2_vl", tensor_parallel_size=2)
+        return make_llm("qwen2_vl", tensor_parallel_size=2, **options)
     finally:
         if previous is None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = two_ranks()
     yield llm
     shutdown(llm)
 
@@ -77,3 +84,29 @@ def test_a_rank_with_other_embeddings_keeps_rank_zeros_rows(engine, items, expec
     finally:
         engine.apply_model(functools.partial(set_broadcast, enabled=True))
         engine.apply_model(restore)
+
+
+def test_layer_wise_pruning_keeps_the_same_tokens_on_both_ranks(engine, items):
+    """FastV inside the language model: each rank holds half the heads; the scores gather every head, so both ranks
+    keep the transformers path's tokens and decode its six steps. With neither the gathering nor rank 0's broadcast,
+    the ranks score with their own heads and keep other tokens (so the check can fail)."""
+    shutdown(engine)  # one engine alive at a time: this module's divprune engine is done
+    model, processor = reference.load("qwen2_vl")
+    chosen = items[:ITEMS]
+    want = reference_steps(model, processor, chosen, "fastv", 0.25)
+    llm = two_ranks(method="fastv", max_num_seqs=2)
+    try:
+        rank_selections(llm)
+        assert step_gap(engine_steps(llm, chosen), want) < TOLERANCE
+        first, second = rank_selections(llm)
+        assert sorted(first) == sorted(second) == sorted(kept for _, kept, _ in want)
+        fresh = [(image.rotate(90), question) for image, question in chosen]
+        llm.apply_model(functools.partial(set_head_gather, enabled=False))
+        llm.apply_model(functools.partial(set_broadcast, enabled=False))
+        engine_steps(llm, fresh)
+        first, second = rank_selections(llm)
+        assert first != second  # each rank's own heads rank the tokens differently
+    finally:
+        llm.apply_model(functools.partial(set_head_gather, enabled=True))
+        llm.apply_model(functools.partial(set_broadcast, enabled=True))
+        shutdown(llm)

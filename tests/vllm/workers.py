@@ -58,3 +58,12 @@ def break_layerwise(model, part: str | None) -> str | None:
 
         layout.StepRequest.seq_len = unshifted
     return part
+
+
+def set_head_gather(model, enabled: bool) -> None:
+    """Test control: switch the layer-wise scores' gathering of every rank's attention heads off (each rank then
+    scores with its own heads) or back on, in this worker."""
+    from vtprune.vllm.layerwise import scoring
+
+    saved = scoring.__dict__.setdefault("_vtprune_test_gather", scoring._gather_heads)
+    scoring._gather_heads = saved if enabled else (lambda tensor: tensor)
