@@ -34,6 +34,7 @@ EPILOG = """\
 examples:
   vtprune serve                                          the embedded LLaVA, divprune keep 0.25, port 8000
   vtprune serve embedded:qwen2_vl --keep 0.5 --trust-request-mm-kwargs    clients may send vtprune_keep
+  vtprune serve --method fastv --keep 0.25               FastV inside the language model (prunes before layer 2)
   vtprune serve llava-hf/llava-1.5-7b-hf --dtype float16 --tensor-parallel-size 8     vLLM options pass through
 needs vLLM: pip install -e ".[vllm]" (GPU, in the clone) or bash scripts/setup_vllm.sh (CPU); see
 docs/serving.md."""
@@ -43,16 +44,20 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    serve = subparsers.add_parser("serve", help="start vLLM's OpenAI-compatible server with pre-LLM pruning",
+    serve = subparsers.add_parser("serve", help="start vLLM's OpenAI-compatible server with visual-token pruning",
                                   epilog=EPILOG)
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                        help="embedded:llava, embedded:qwen2_vl, a model folder or a Hub id (LLaVA-1.5, LLaVA-NeXT, "
                             "LLaVA-OneVision, Qwen2-VL, Qwen2.5-VL, Qwen3-VL)")
-    serve.add_argument("--method", default="divprune", help="divprune, random, temporal (Qwen2-VL / Qwen2.5-VL video), "
-                       "visionzip (LLaVA-1.5, Qwen-VL) or vflowopt (the same families, images; its pre-LLM "
-                       "stage, no recycling): the methods vLLM allows")
+    serve.add_argument("--method", default="divprune", help="before the language model: divprune, random, temporal "
+                       "(Qwen2-VL / Qwen2.5-VL video), visionzip (LLaVA-1.5, Qwen-VL) or vflowopt (the same families, "
+                       "images; its pre-LLM stage); inside it: fastv, pdrop, transprune, ttv, dart, and fastv+debias, "
+                       "pdrop+debias, transprune+debias (docs/serving.md)")
     serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept, in (0, 1]")
     serve.add_argument("--seed", type=int_range(0), default=0, help="seed of --method random")
+    serve.add_argument("--layer", type=int_range(1), default=None,
+                       help="layer-wise methods: the first decoder layer that sees the pruned tokens (one stage there; "
+                            "FastV's K, default 2); by default each method's own schedule")
     serve.add_argument("--host", default="127.0.0.1", help="address the server listens on")
     serve.add_argument("--port", type=int_range(1, 65535), default=8000, help="port the server listens on, 1..65535")
     serve.add_argument("--dry-run", action="store_true",
@@ -100,10 +105,13 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
     from vtprune.vllm.export import model_folder
 
     try:
-        settings = VllmPruning.from_dict({"method": args.method, "keep": args.keep, "seed": args.seed})
+        raw = {"method": args.method, "keep": args.keep, "seed": args.seed}
+        if args.layer is not None:
+            raw["layer"] = args.layer
+        settings = VllmPruning.from_dict(raw)
         folder = model_folder(args.model)
         stock = architecture_of(folder)
-        overrides: dict = {"vtprune": {"method": settings.method, "keep": settings.keep, "seed": settings.seed}}
+        overrides: dict = {"vtprune": {key: value for key, value in raw.items()}}
         if stock is not None:
             overrides["architectures"] = [check_architecture(stock)]
     except ValueError as error:
