@@ -4,8 +4,10 @@ transformers path).
 ``vtprune bench serving`` (in the vLLM venv; from the main venv it re-runs itself there) sends
 ``--requests`` requests with distinct random images at each ``--concurrency`` to an in-process vLLM engine
 (``AsyncLLM``, what the OpenAI server runs) and records requests/s, time to first token (TTFT), time per
-output token (TPOT) and KV-cache tokens per request, for the unpruned model and ``--method`` at ``--keep``;
-then one ``generate`` loop of vtprune's transformers path (concurrency 1). Models: ``proxy576`` (a random-weight
+output token (TPOT), KV memory per request and how many requests fit a fixed KV budget
+(:mod:`vtprune.eval.speed.serving_kv`), for the unpruned model and each of ``--methods`` at ``--keep`` (pre-LLM
+and layer-wise methods side by side, all engines up together); then one ``generate`` loop of vtprune's
+transformers path (concurrency 1). Models: ``proxy576`` (a random-weight
 LLaVA at LLaVA-1.5 geometry, 336 px / 14 px patches = 576 visual tokens, small language model, vLLM dummy
 weights) or ``proxy7b`` (the same with LLaVA-1.5-7B's language model and CLIP-L tower: GPU), and
 ``embedded:llava`` (16 tokens per image). Writes CSV, Markdown (with conditions) and a plot to ``--out``.
@@ -33,8 +35,8 @@ PROXY_LM = {"proxy576": dict(hidden_size=512, num_hidden_layers=4, num_attention
 PROXY_TOWER = {"proxy576": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
                "proxy7b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)}
 FIELDS = ["model", "engine", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
-          "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_mib_per_req", "speedup",
-          "vs_transformers"]
+          "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_blocks_per_req", "kv_mib_per_req",
+          "max_requests_in_budget", "speedup", "vs_transformers"]
 
 
 def proxy_folder(name: str, root: Path) -> Path:
@@ -97,24 +99,34 @@ async def run_load(engine, prompt: str, pictures: list, concurrency: int, max_to
     return list(records), time.perf_counter() - start
 
 
-def kv_bytes_per_token(config: dict) -> int:
-    """K and V of every layer for one token, float32."""
-    text = config["text_config"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 4
-
-
 def summary(model: str, engine: str, method: str, keep: float, concurrency: int, records: list, seconds: float,
-            config: dict, visual: int, kept: int) -> dict:
+            config: dict, visual: int, kept: int, args: argparse.Namespace) -> dict:
+    from vtprune.eval.speed.serving_kv import kv_fields
+
     tokens = statistics.mean(r["prompt"] + r["output"] for r in records)
-    return {"model": model, "engine": engine, "method": method, "keep": keep, "concurrency": concurrency,
-            "requests": len(records), "visual_tokens": visual, "kept_tokens": kept,
-            "req_per_s": round(len(records) / seconds, 3),
-            "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in records), 1),
-            "tpot_p50_ms": round(1000 * statistics.median(r["tpot"] for r in records), 2),
-            "kv_tokens_per_req": round(tokens, 1),
-            "kv_mib_per_req": round(tokens * kv_bytes_per_token(config) / 2**20, 3), "speedup": "",
-            "vs_transformers": ""}
+    row = {"model": model, "engine": engine, "method": method, "keep": keep, "concurrency": concurrency,
+           "requests": len(records), "visual_tokens": visual, "kept_tokens": kept,
+           "req_per_s": round(len(records) / seconds, 3),
+           "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in records), 1),
+           "tpot_p50_ms": round(1000 * statistics.median(r["tpot"] for r in records), 2), "speedup": "",
+           "vs_transformers": ""}
+    row.update(kv_fields(method, keep, config["text_config"], visual, tokens, args.block_size, args.kv_budget_gib))
+    return row
+
+
+def kept_tokens(method: str, keep: float, visual: int, num_layers: int) -> int:
+    """Visual tokens the last stage keeps (all for ``none``): a pre-LLM method before the language model, a
+    layer-wise one after its last stage."""
+    from vtprune.vllm.select import kept_count
+    from vtprune.vllm.settings import is_layer_wise
+
+    if method == "none":
+        return visual
+    if is_layer_wise(method):
+        from vtprune.vllm.layerwise.plan import make_layer_plan
+
+        return make_layer_plan(method, keep, num_layers).kept_counts(visual, keep)[-1]
+    return kept_count(keep, visual)
 
 
 def measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace) -> list[dict]:
@@ -142,11 +154,10 @@ async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: floa
                         ) -> list[dict]:
     """Both engines stay up; each concurrency level runs ``--rounds`` times, the engines taking turns, so a busy
     machine slows both alike; a row reports the median round's requests/s and the pooled TTFT / TPOT."""
-    from vtprune.vllm.select import kept_count
-
     config = json.loads((folder / "config.json").read_text())
     size = config["vision_config"]["image_size"]
     visual = (size // config["vision_config"]["patch_size"]) ** 2
+    layers = config["text_config"]["num_hidden_layers"]
     engines = {method: _engine(folder, model, method, keep, args) for method in methods}
     rows = []
     try:
@@ -165,7 +176,7 @@ async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: floa
                 records, seconds = ordered[len(ordered) // 2]
                 row = summary(model, "vllm", method, keep if method != "none" else 1.0, concurrency,
                               [r for run, _ in runs[method] for r in run], seconds, config, visual,
-                              kept_count(keep, visual) if method != "none" else visual)
+                              kept_tokens(method, keep, visual, layers), args)
                 row["requests"], row["req_per_s"] = len(records), round(len(records) / seconds, 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -195,7 +206,7 @@ def measure_transformers(model_name: str, folder: Path, method: str, keep: float
     from transformers import AutoProcessor, LlavaConfig, LlavaForConditionalGeneration
 
     import vtprune
-    from vtprune.vllm.select import kept_count
+    from vtprune.vllm.settings import is_layer_wise
 
     config = json.loads((folder / "config.json").read_text())
     torch.manual_seed(0)
@@ -225,12 +236,12 @@ def measure_transformers(model_name: str, folder: Path, method: str, keep: float
     seconds = time.perf_counter() - start
     if handle is not None:
         handle.remove()
-    kept = kept_count(keep, visual) if method != "none" else visual
+    kept = kept_tokens(method, keep, visual, config["text_config"]["num_hidden_layers"])
+    if method != "none" and not is_layer_wise(method):  # the transformers path's prompt holds every placeholder
+        for record in records:
+            record["prompt"] -= visual - kept
     row = summary(model_name, "transformers", method, keep if method != "none" else 1.0, 1, records, seconds,
-                  config, visual, kept)
-    if method != "none":
-        row["kv_tokens_per_req"] = round(row["kv_tokens_per_req"] - (visual - kept), 1)  # the pruned cache
-        row["kv_mib_per_req"] = round(row["kv_tokens_per_req"] * kv_bytes_per_token(config) / 2**20, 3)
+                  config, visual, kept, args)
     print(json.dumps(row), flush=True)
     return row
 
@@ -272,8 +283,10 @@ def conditions(args: argparse.Namespace) -> str:
             f"pruned and unpruned engines up together and measured in {args.rounds} alternating rounds (median "
             "round's requests/s; TTFT / TPOT medians over all rounds), "
             f"{args.max_tokens} output tokens each (ignore_eos), distinct random images; transformers path: "
-            f"{args.transformers_requests} requests, one at a time; KV per request = (prompt + output tokens) x "
-            "layers x 2 x KV heads x head dim x 4 bytes.")
+            f"{args.transformers_requests} requests, one at a time; KV per request: each layer's tokens (a layer-wise "
+            "method's pruned layers hold only the kept ones) in blocks of "
+            f"{args.block_size} tokens x 2 x KV heads x head dim x 4 bytes, summed over layers; kv_blocks_per_req = "
+            f"those blocks / layers; max_requests_in_budget = requests whose KV fits {args.kv_budget_gib} GiB.")
 
 
 def write(rows: list[dict], out: Path, args: argparse.Namespace) -> None:
@@ -338,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for model in args.models.split(","):
         folder = proxy_folder(model, cache_root()) if model.startswith("proxy") else Path(model_folder(model))
-        rows += measure_vllm(model, folder, ["none", args.method], args.keep, args)
+        rows += measure_vllm(model, folder, ["none", *args.methods], args.keep, args)
         for _ in range(args.transformers_requests and args.rounds):  # alternating rounds too
-            for method in ("none", args.method):
+            for method in ("none", *args.methods):
                 rows.append(measure_transformers(model, folder, method, args.keep, args))
         rows = median_transformers(rows)
     add_speedups(rows)

@@ -20,7 +20,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            description="Serving benchmark: vLLM with vtprune's plugin, pruned vs unpruned, as users "
                                        "measure serving (and vs vtprune's transformers path).")
     parser.add_argument("--models", default="proxy576,embedded:llava", help="proxy576, proxy7b, embedded:llava")
-    parser.add_argument("--method", default="divprune", help="the pruned rows' method (divprune or random)")
+    parser.add_argument("--methods", default="divprune,fastv,pdrop",
+                        help="the pruned engines' methods, comma-separated: pre-LLM (divprune, random) and layer-wise "
+                             "(fastv, pdrop, transprune, ttv, dart)")
+    parser.add_argument("--method", default=None, help="one method (the same as --methods METHOD)")
     parser.add_argument("--keep", type=float, default=0.25, help="keep fraction of the pruned rows")
     parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int_range(1), default=32,
@@ -32,6 +35,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                         help="float32 on a CPU, bfloat16 on a GPU")
     parser.add_argument("--max-model-len", type=int_range(64), default=1024, help="vLLM's max_model_len")
+    parser.add_argument("--block-size", type=int_range(1), default=16,
+                        help="KV block size the memory columns count in (vLLM's default on a GPU is 16)")
+    parser.add_argument("--kv-budget-gib", type=float, default=8.0,
+                        help="KV budget for the max_requests_in_budget column, GiB")
     parser.add_argument("--out", default="docs/results/serving", help="folder for CSV, Markdown and plot")
     parser.add_argument("--force", action="store_true",
                         help="replace the serving.csv an earlier run left in --out (default: refuse)")
@@ -61,8 +68,14 @@ def check_args(args: argparse.Namespace) -> None:
         args.concurrency = []
     if not args.concurrency or min(args.concurrency) < 1:
         raise ValueError(f"--concurrency {text!r}: give comma-separated levels >= 1, e.g. 1,8,32.")
-    check_method(args.method)
+    args.methods = [args.method] if args.method is not None else [m for m in args.methods.split(",") if m.strip()]
+    if not args.methods:
+        raise ValueError("--methods '': give one or more methods, e.g. --methods divprune,fastv.")
+    for method in args.methods:
+        check_method(method)
     check_keep(args.keep, "--keep")
+    if not args.kv_budget_gib > 0:
+        raise ValueError(f"--kv-budget-gib {args.kv_budget_gib}: give a positive number of GiB, e.g. 8.")
     for model in args.models.split(","):
         if model not in PROXIES and not model.startswith("embedded:") and not (Path(model) / "config.json").is_file():
             raise ValueError(f"--models: {model!r} is neither {', '.join(PROXIES)}, an embedded:NAME model nor a model "
