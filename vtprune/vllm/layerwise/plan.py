@@ -96,6 +96,11 @@ def make_layer_plan(method: str, keep: float, num_layers: int, *, options: dict 
     validate_stages(stages, num_layers)
     view = SimpleNamespace(num_layers=num_layers, min_prune_layer=lambda: min_layer,
                            config=SimpleNamespace(model_type=model_type))
+    inside = [stage.layer for stage in stages if stage.layer < min_layer]
+    if inside:
+        raise ValueError(f"vtprune: {method!r} would prune at layer {inside[0]}, but {model_type} adds DeepStack "
+                         f"features to its first {min_layer} layers; give layer={min_layer} or more (vtprune serve "
+                         f"--layer {min_layer}).")
     check_stages(stages, view, scorer, SimpleNamespace(method=method))
     if stages[0].layer == 0:
         raise ValueError(f"vtprune: {method!r} at layer 0 prunes before the language model; serve a pre-LLM method "
