@@ -1,4 +1,6 @@
-"""Test-wide settings: one torch thread (CI machines have 2 cores, and threads thrash under contention)."""
+"""Test-wide settings: one torch thread per process (CI machines have 2 cores and test.sh runs two pytest-xdist
+workers; more threads thrash under contention), restored after any test that changes it; modules with a ``slow``
+test are collected first, so that parallel workers do not end on one long module."""
 
 import os
 import sys
@@ -41,3 +43,18 @@ def no_model(monkeypatch):
 
     monkeypatch.setattr(vtprune.models.loading, "load", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """A test that sets torch's thread count (a CLI's ``--threads``, a training run) leaves it at one again."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules holding a ``slow`` test first (their order otherwise kept): a worker that draws one late would
+    finish alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)

@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--export-every", type=POSITIVE, default=5.0, help="minutes between eval+export")
     p.add_argument("--val-images", type=int_range(1), default=60)
     p.add_argument("--test-images", type=int_range(1), default=200)
+    p.add_argument("--test-clips", type=int_range(1), default=100, help="test video clips (with --video-clips)")
     p.add_argument("--resume", action="store_true", help="continue from <workdir>/ckpt.pt")
     p.add_argument("--resume-from", type=Path, default=None,
                    help="continue from this checkpoint file (e.g. the committed compact one) when the workdir has none")

@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> None:
     final.load_state_dict(tr.best[1])
     test = E.evaluate(final, tr.processor, tr.split("test", args.test_images))
     if args.video_clips:
-        clips = [V.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(100)]
+        clips = [V.generate_video_sample(S.SPLIT_SEEDS["test"], i, tr.video_cfg) for i in range(args.test_clips)]
         test.update(E.evaluate_video(final, tr.processor, clips))
     log("TEST " + " ".join(f"{k}={v:.3f}" for k, v in test.items()))
     status = f"finished at step {tr.step} of {args.steps}" if args.finish and args.steps else "finished"

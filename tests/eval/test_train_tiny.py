@@ -204,7 +204,7 @@ def test_llava_training_is_seeded_and_exports_a_loadable_model(tmp_path) -> None
 
 def test_qwen_training_with_video_runs_and_exports(tmp_path) -> None:
     weights = _tiny_run(tmp_path, "q", ["--arch", "qwen2_vl", "--image-size", "112", "--video-clips", "1",
-                                        "--val-clips", "1"])
+                                        "--val-clips", "1", "--test-clips", "1"])
     assert any("visual" in k for k in weights)
     from transformers import Qwen2VLForConditionalGeneration
 
