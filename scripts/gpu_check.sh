@@ -181,13 +181,21 @@ if [ "$RUN" = 1 ]; then
   else
     skip contract quick
   fi
-  # Serving through vLLM with vtprune's plugin at LLaVA-1.5-7B geometry (random weights, divprune keep 0.25 vs
-  # unpruned, concurrency 1-64; eval/speed/serving.py), only where vLLM imports (in the clone: pip install -e ".[vllm]").
+  # Serving through vLLM with vtprune's plugin at LLaVA-1.5-7B geometry (random weights; unpruned, divprune, fastv
+  # and pdrop at keep 0.25, concurrency 1-64; eval/speed/serving.py), only where vLLM imports
+  # (in the clone: pip install -e ".[vllm]").
   if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
     step serving-vllm7b 150 "$PY" -m vtprune.eval.speed.serving --models proxy7b --dtype bfloat16 --requests 64 \
       --transformers-requests 0 --max-model-len 2048 --out "$OUT/serving"
   else
     skip serving-vllm7b "needs CUDA, a full run and an importable vllm"
+  fi
+  # The layer-wise vLLM plugin on the GPU's attention backends (FlashAttention, FlashInfer where it imports):
+  # kept tokens, token ids and log-probabilities against the transformers path (scripts/gpu_vllm_layerwise.py).
+  if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
+    step vllm-layerwise-backends 120 "$PY" scripts/gpu_vllm_layerwise.py --device cuda --out "$OUT/vllm-layerwise"
+  else
+    skip vllm-layerwise-backends "needs CUDA, a full run and an importable vllm"
   fi
 fi
 

@@ -1,0 +1,135 @@
+"""The layer-wise vLLM plugin on a device's attention backends, against vtprune's transformers path.
+
+For each backend (GPU: FLASH_ATTN, FLASHINFER where importable; CPU: CPU_ATTN) and each method (fastv, pdrop, dart)
+on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
+time) answers four prompts at keep 0.25 for 6 steps; the kept tokens, the token ids and the largest log-probability
+gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise.json`` and ``OUT/layerwise.md``.
+A backend that refuses the model (e.g. its head size) is recorded and skipped. Run by ``scripts/gpu_check.sh`` on
+a GPU; ``--device cpu`` runs the CPU backend (a check of the script itself).
+
+usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--backends A,B] [--methods M,N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+STEPS = 6
+
+
+def prompts(count: int = 4) -> list:
+    from vtprune.shapes.task import make_split
+
+    items = [(s.image, s.questions[0].text) for s in make_split("test", count + 1)]
+    return items[:count - 1] + [([items[count - 1][0], items[count][0]], items[count - 1][1])]
+
+
+def chat(template_owner, question: str, images: int) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]}]
+    return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def reference(folder: str, method: str, dtype, device: str, items: list) -> list:
+    """(token ids, kept visual tokens, per-step log-probabilities) of vtprune's transformers path."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import vtprune
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    handle = vtprune.wrap(model, method, keep=0.25)
+    out = []
+    try:
+        for image, question in items:
+            count = len(image) if isinstance(image, list) else 1
+            inputs = processor(images=image, text=chat(processor, question, count), return_tensors="pt").to(device)
+            with torch.no_grad():
+                result = model.generate(**inputs, max_new_tokens=STEPS, do_sample=False, output_scores=True,
+                                        return_dict_in_generate=True, eos_token_id=[10 ** 9], pad_token_id=0)
+            ids = result.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            steps = [torch.log_softmax(s[0].float(), dim=-1).cpu() for s in result.scores]
+            out.append((ids, [int(i) for i in handle.last_stats.kept_indices[-1][0]], steps))
+    finally:
+        handle.remove()
+    return out
+
+
+def engine_run(folder: str, method: str, dtype: str, backend: str, items: list) -> tuple[list, list]:
+    from vllm import LLM, SamplingParams
+
+    from vtprune.vllm.common import clear_selections, recent_selections
+
+    llm = LLM(folder, dtype=dtype, max_model_len=512, seed=0, enforce_eager=True, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=2, attention_backend=backend,
+              limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3,
+              hf_overrides={"architectures": ["VtpruneLlavaForConditionalGeneration"],
+                            "vtprune": {"method": method, "keep": 0.25}})
+    try:
+        llm.apply_model(clear_selections)
+        requests = [{"prompt": chat(llm.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
+                     "multi_modal_data": {"image": i}} for i, q in items]
+        params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        kept = llm.apply_model(recent_selections)[0]
+        rows = [(list(o.outputs[0].token_ids), [{t: p.logprob for t, p in top.items()} for top in o.outputs[0].logprobs])
+                for o in outputs]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return rows, kept
+
+
+def compare(rows: list, kept: list, want: list) -> dict:
+    ids_equal = sum(ids == w[0] for (ids, _), w in zip(rows, want))
+    gap = max((abs(v - float(w[2][step][t])) for (ids, tops), w in zip(rows, want) if ids == w[0]
+               for step, top in enumerate(tops) for t, v in top.items()), default=float("nan"))
+    return {"requests": len(rows), "ids_equal": ids_equal, "max_logprob_gap": round(gap, 5),
+            "kept_equal": sorted(map(tuple, kept)) == sorted(tuple(w[1]) for w in want)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backends", default=None, help="default: FLASH_ATTN,FLASHINFER on cuda, CPU_ATTN on cpu")
+    parser.add_argument("--methods", default="fastv,pdrop,dart")
+    args = parser.parse_args(argv)
+    import torch
+
+    from vtprune.vllm.export import model_folder
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    backends = (args.backends or ("FLASH_ATTN,FLASHINFER" if args.device == "cuda" else "CPU_ATTN")).split(",")
+    dtype = "float16" if args.device == "cuda" else "float32"
+    folder, items = model_folder("embedded:llava"), prompts()
+    results = []
+    for method in args.methods.split(","):
+        want = reference(folder, method, getattr(torch, dtype), args.device, items)
+        for backend in backends:
+            row = {"method": method, "backend": backend, "dtype": dtype}
+            try:
+                row.update(compare(*engine_run(folder, method, dtype, backend, items), want))
+            except Exception as error:  # noqa: BLE001 - a backend that refuses is recorded, the others still run
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                traceback.print_exc()
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layerwise.json").write_text(json.dumps(results, indent=2) + "\n")
+    fields = ["method", "backend", "dtype", "requests", "ids_equal", "kept_equal", "max_logprob_gap", "error"]
+    lines = ["| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+    lines += ["| " + " | ".join(str(r.get(f, "")) for f in fields) + " |" for r in results]
+    (out / "layerwise.md").write_text("# Layer-wise methods in vLLM on this device's attention backends\n\n"
+                                      + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
