@@ -7,6 +7,7 @@
   ``ceil(tokens / block)`` in the others (read from the scheduler's KV managers while it runs).
 * Preemption: with a KV cache too small for the batch, preempted requests are recomputed and still equal the
   transformers path; chunks of 4 tokens end inside the images.
+* A Qwen2-VL video: FastV keeps the transformers path's tokens over the whole video.
 * Settings the methods cannot serve are refused when the engine starts.
 """
 
@@ -152,3 +153,20 @@ def qwen3(tmp_path_factory):
     from tiny_folders import BUILDERS
 
     return str(BUILDERS["qwen3_vl"](tmp_path_factory.mktemp("qwen3_vl"), layers=4))
+
+
+def test_a_video_equals_the_transformers_path(clip):
+    """FastV inside Qwen2-VL on an 8-frame video (4 temporal patches of 16 tokens): the kept tokens over the whole
+    video and the greedy answer equal the transformers path's."""
+    from conftest import generate_video, make_llm
+
+    frames, question = clip
+    model, processor = reference.load("qwen2_vl")
+    want_ids, want_kept = reference.video_answers(model, processor, frames, question, "fastv", 0.25)
+    llm = make_llm("qwen2_vl", method="fastv", enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=2)
+    try:
+        selections(llm)
+        assert generate_video(llm, frames, question) == want_ids
+        assert selections(llm) == [want_kept]
+    finally:
+        shutdown(llm)
