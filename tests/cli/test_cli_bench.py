@@ -1,4 +1,5 @@
-"""The CLI and the benchmark end to end on small slices (tiny random model and the embedded model)."""
+"""The CLI and the benchmark end to end on small slices (tiny random model and the embedded model), in this
+process (the ``cli`` fixture); one check runs ``python -m vtprune.cli`` in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -16,36 +17,36 @@ import vtprune
 CLI = [sys.executable, "-m", "vtprune.cli"]
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300, check=check)
-
-
-def test_run_json_reports_what_was_kept():
-    out = _run("run", "--model", "tiny:llava", "--method", "fastv", "--keep", "0.25", "--json")
-    record = json.loads(out.stdout.strip().splitlines()[-1])
+def test_run_json_reports_what_was_kept(cli):
+    code, out, err = cli("run", "--model", "tiny:llava", "--method", "fastv", "--keep", "0.25", "--json")
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
     assert {"answer", "method", "keep", "visual_tokens", "kept_tokens", "prefill_ms", "kept_indices"} <= set(record)
     assert record["kept_tokens"] == vtprune.keep_count(0.25, record["visual_tokens"])
     assert len(record["kept_indices"][0]) == record["kept_tokens"]
     assert record["prefill_ms"] > 0
 
 
-def test_run_bad_value_is_a_clear_error():
-    out = _run("run", "--model", "tiny:llava", "--method", "fastv", "--keep", "1.5", check=False)
+def test_run_bad_value_is_a_clear_error(cli):
+    """``python -m vtprune.cli`` in a fresh interpreter: exit status 2 and one line, no traceback."""
+    out = subprocess.run([*CLI, "run", "--model", "tiny:llava", "--method", "fastv", "--keep", "1.5"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "keep must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
-    out = _run("run", "--model", "tiny:llava", "--method", "nope", check=False)
-    assert "known methods" in out.stderr
+    code, _, err = cli("run", "--model", "tiny:llava", "--method", "nope")
+    assert code == 2 and "known methods" in err
 
 
-def test_info_lists_models_and_methods():
-    out = _run("info")
-    assert "qwen2_5_vl" in out.stdout and "fastv" in out.stdout
+def test_info_lists_models_and_methods(cli):
+    code, out, _ = cli("info")
+    assert code == 0 and "qwen2_5_vl" in out and "fastv" in out
 
 
-def test_bench_writes_a_well_formed_csv_table_and_plots(tmp_path):
-    out = _run("bench", "--model", "tiny:llava", "--images", "2", "--methods", "none,fastv,oracle", "--keep", "1,0.25",
-               "--timing-samples", "1", "--repeats", "1", "--out", str(tmp_path))
-    assert "| method | keep |" in out.stdout and "Columns:" in out.stdout  # the table is printed, with its legend
+def test_bench_writes_a_well_formed_csv_table_and_plots(tmp_path, cli):
+    code, out, err = cli("bench", "--model", "tiny:llava", "--images", "2", "--methods", "none,fastv,oracle",
+                         "--keep", "1,0.25", "--timing-samples", "1", "--repeats", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    assert "| method | keep |" in out and "Columns:" in out  # the table is printed, with its legend
     with (tmp_path / "bench.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {(r["method"], float(r["keep"])) for r in rows} == {("none", 1.0), ("fastv", 0.25), ("oracle", 0.25)}
@@ -75,10 +76,11 @@ def test_oracle_recall_is_one_when_the_budget_covers_the_evidence():
         assert record["recall"] == pytest.approx(1.0)
 
 
-def test_speed_proxy_runs_and_reports_overhead(tmp_path):
-    _run("bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576", "--speed-hidden",
-         "128", "--speed-layers", "4", "--repeats", "1", "--speed-batches", "1", "--speed-new-tokens", "2",
-         "--speed-memory", "off", "--speed-syncs", "off", "--out", str(tmp_path))
+def test_speed_proxy_runs_and_reports_overhead(tmp_path, cli):
+    code, _, err = cli("bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576",
+                       "--speed-hidden", "128", "--speed-layers", "4", "--repeats", "1", "--speed-batches", "1",
+                       "--speed-new-tokens", "2", "--speed-memory", "off", "--speed-syncs", "off", "--out", str(tmp_path))
+    assert code == 0, err
     with (tmp_path / "speed.csv").open() as f:
         row = [r for r in csv.DictReader(f) if r["method"] == "fastv" and float(r["keep"]) == 0.25][0]
     assert float(row["predicted_prefill"]) > 1.0 and float(row["speedup_prefill"]) > 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,18 +19,16 @@ from vtprune.eval.speed.measure import (
 import vtprune
 from vtprune.flops import LMShape, kv_cache_bytes
 
-CLI = [sys.executable, "-m", "vtprune.cli"]
 NUMERIC = [c for c in COLUMNS if c.endswith(("_ms_p20", "_ms_p50", "_ms_p80")) or c.startswith(
     ("speedup_", "predicted_", "efficiency_", "throughput", "kv_bytes"))]
 
 
-def test_speed_bench_writes_every_column_table_and_plots(tmp_path):
-    out = subprocess.run(
-        [*CLI, "bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576",
-         "--speed-hidden", "128", "--speed-layers", "4", "--speed-batches", "1,2", "--speed-new-tokens", "3",
-         "--repeats", "2", "--threads", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_speed_bench_writes_every_column_table_and_plots(tmp_path, cli):
+    """In this process (``cli``); the peak memory is measured in the bench's own fresh subprocess."""
+    code, _, err = cli("bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576",
+                       "--speed-hidden", "128", "--speed-layers", "4", "--speed-batches", "1,2", "--speed-new-tokens",
+                       "3", "--repeats", "2", "--threads", "1", "--out", str(tmp_path))
+    assert code == 0, err[-3000:]
     with (tmp_path / "speed.csv").open() as f:
         reader = csv.DictReader(f)
         rows = list(reader)
@@ -59,11 +55,10 @@ def test_speed_bench_writes_every_column_table_and_plots(tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
-def test_speed_bench_bad_geometry_is_a_clear_error(tmp_path):
-    out = subprocess.run([*CLI, "bench", "--speed", "--speed-tokens", "999", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "--speed-tokens '999'" in out.stderr and "Traceback" not in out.stderr
+def test_speed_bench_bad_geometry_is_a_clear_error(tmp_path, cli):
+    code, _, err = cli("bench", "--speed", "--speed-tokens", "999", "--out", str(tmp_path))
+    assert code == 2
+    assert "--speed-tokens '999'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("method", ["none", "fastv"])
