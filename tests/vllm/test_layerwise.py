@@ -4,8 +4,8 @@ Each engine runs with prefix caching on, chunked prefill in small chunks (a prom
 one) and two sequences at a time, so new prefills join running decodes. Checked, for every request of a batch: at
 keep 0.25 the kept visual tokens, the greedy tokens and the log-probabilities of six decode steps equal
 ``vtprune.wrap(model, method, keep=0.25)`` on the same weights; at keep 1.0 (per request) the pruned model equals
-stock vLLM. Families: the embedded LLaVA-1.5 and Qwen2-VL (4 decoder layers) with every method, and tiny
-4-layer LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL checkpoints (tests/vllm/tiny_folders.py).
+stock vLLM. Families: the embedded LLaVA-1.5 (every method) and Qwen2-VL (4 decoder layers), and tiny 4-layer
+LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL checkpoints (tests/vllm/tiny_folders.py); see CASES.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from conftest import shutdown
 from layerwise_support import TOLERANCE, engine_steps, reference_steps, selections, step_gap
 
 EVERY = ("fastv", "pdrop", "transprune", "ttv", "dart", "fastv+debias")
-CASES = ([("llava", m) for m in EVERY] + [("qwen2_vl", m) for m in EVERY]
-         + [(f, m) for f in ("llava_next", "llava_onevision", "qwen2_5_vl") for m in ("fastv", "transprune")]
-         + [("qwen3_vl", m) for m in ("fastv", "dart")])  # Qwen3-VL: DeepStack feeds layers 0-1, stages from 2
+#: every method on LLaVA-1.5; on the other families a method each of the three kinds (last-token attention, capture
+#: and instruction attention, key norms and hidden states), so every method runs on at least two families
+CASES = ([("llava", m) for m in EVERY] + [("qwen2_vl", m) for m in ("fastv", "transprune", "dart")]
+         + [("llava_next", "fastv"), ("llava_onevision", "transprune"), ("qwen2_5_vl", "pdrop+debias"),
+            ("qwen3_vl", "dart"), ("qwen2_vl", "ttv")])  # Qwen3-VL: DeepStack feeds layers 0-1, stages from 2
 ARCHITECTURE = {"llava": "Llava", "qwen2_vl": "Qwen2VL", "llava_next": "LlavaNext", "llava_onevision": "LlavaOnevision",
                 "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 SIZES = [(112, 112), (200, 112), (112, 190)]  # width x height (LLaVA-NeXT / OneVision: several tile grids)
