@@ -5,14 +5,10 @@ comparison of both: token ids, kept visual tokens and every step's log-probabili
 from __future__ import annotations
 
 import torch
+from reference import prompt
 
 STEPS = 6
 TOLERANCE = 1e-3  # float32, vLLM's CPU kernels against transformers' SDPA (measured differences: about 1e-5)
-
-
-def prompt(tokenizer_or_processor, question: str, images: int = 1) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": question}]}]
-    return tokenizer_or_processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def reference_steps(model, processor, items, method: str | None, keep: float, steps: int = STEPS, **options):
