@@ -99,7 +99,11 @@ class LayerwiseRuntime:
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self, total: int) -> None:
         """Read the step's requests; install the pruned regions' metadata when one of them prunes."""
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
         self.entries, self.total = None, total
+        if not is_forward_context_available() or not get_forward_context().attn_metadata:
+            return  # a dummy run (profiling, an idle data-parallel rank): no requests, and the batch may be stale
         runner = self.runner()
         batch = runner.input_batch if runner is not None else None
         count = batch.num_reqs if batch is not None else 0
