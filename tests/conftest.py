@@ -1,12 +1,14 @@
 """Test-wide settings: one torch thread per process (CI machines have 2 cores and test.sh runs two pytest-xdist
-workers; more threads thrash under contention), restored after any test that changes it; modules with a ``slow``
-test are collected first, so that parallel workers do not end on one long module."""
+workers; more threads thrash under contention), restored after any test that changes it; the order of the
+test files (see ``pytest_collection_modifyitems``)."""
 
+import collections
 import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # this process and the subprocesses the tests start
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -45,6 +47,26 @@ def no_model(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
+@pytest.fixture
+def sleeps(monkeypatch) -> list[float]:
+    """The seconds of every ``time.sleep`` in the test's own thread (still slept). A check that something answers
+    at once without network retries counts their back-off sleeps instead of timing the answer: a loaded machine
+    must not fail a test for time alone."""
+    import threading
+    import time
+
+    slept: list[float] = []
+    mine, real = threading.current_thread(), time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is mine:
+            slept.append(seconds)
+        real(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return slept
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """A test that sets torch's thread count (a CLI's ``--threads``, a training run) leaves it at one again."""
@@ -54,7 +76,9 @@ def _one_torch_thread():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules holding a ``slow`` test first (their order otherwise kept): a worker that draws one late would
-    finish alone."""
+    """Test files holding a ``slow`` test first, then the files with more tests (each file's order kept): test.sh
+    hands whole files to its pytest-xdist workers (``--dist loadfile --no-loadscope-reorder``: module fixtures and
+    cached models are built once), so the long files start early and no worker ends alone on one."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    count = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow, -count[item.path]))

@@ -4,9 +4,9 @@ commands are the same commands with the same help. Each check runs in a fresh in
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,16 +52,18 @@ def test_the_vtprune_script_answers_help_quickly_and_lists_every_command():
     script = Path(sys.executable).with_name("vtprune")
     if not script.exists():
         pytest.skip("the vtprune console script is not installed in this environment")
-    start = time.perf_counter()
-    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60,
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120,
                             env={**os.environ, "COLUMNS": "120"})
-    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of the command (a loaded machine stretches the wall clock, not these)
+    seconds = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     assert result.returncode == 0, result.stderr
     from vtprune.cli.commands import COMMANDS
 
     listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("    ") and line.split()}
     assert set(COMMANDS) - {"serve"} <= listed  # serve: only where vtprune.vllm is installed
-    assert seconds < 2.0, f"vtprune --help took {seconds:.2f} s"
+    assert seconds < 2.0, f"vtprune --help took {seconds:.2f} s of CPU"
 
 
 def test_the_commands_table_matches_what_the_modules_register():

@@ -62,6 +62,7 @@ def test_offloaded_model_prunes_like_the_plain_one(model_type, offload, cases, t
         torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_compiled_model_cannot_be_wrapped_but_a_wrapped_model_compiles():
     model, processor = tiny_model("llava", image_size=112)
     inputs = _inputs(processor, "llava")

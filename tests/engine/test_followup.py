@@ -171,7 +171,7 @@ def test_a_qwen_followup_keeps_its_positions_while_another_thread_prefills():
             return original(*args, **kwargs)
 
         def other() -> None:
-            paused.wait(timeout=10.0)
+            paused.wait(timeout=120.0)
             got["b"] = _conversation(model, processor, b, " and the circle?")[1]()
             other_done.set()
 
@@ -182,7 +182,7 @@ def test_a_qwen_followup_keeps_its_positions_while_another_thread_prefills():
             for thread in threads:
                 thread.start()
             for thread in threads:
-                thread.join(timeout=60.0)
+                thread.join(timeout=300.0)
         finally:
             del model._prepare_position_ids_for_generation
     torch.testing.assert_close(got["a"], want_a, atol=1e-5, rtol=0)

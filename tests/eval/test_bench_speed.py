@@ -23,6 +23,7 @@ NUMERIC = [c for c in COLUMNS if c.endswith(("_ms_p20", "_ms_p50", "_ms_p80")) o
     ("speedup_", "predicted_", "efficiency_", "throughput", "kv_bytes"))]
 
 
+@pytest.mark.slow
 def test_speed_bench_writes_every_column_table_and_plots(tmp_path, cli):
     """In this process (``cli``); the peak memory is measured in the bench's own fresh subprocess."""
     code, _, err = cli("bench", "--speed", "--methods", "fastv", "--keep", "0.25", "--speed-tokens", "576",
