@@ -24,6 +24,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -317,15 +318,20 @@ def plot(out: Path) -> None:
     with open(out / "serving.csv") as handle:
         rows = [r for r in csv.DictReader(handle) if r["engine"] == "vllm"]
     models = sorted({r["model"] for r in rows})
-    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for axis, model in zip(axes[0], models):
-        for method in sorted({r["method"] for r in rows if r["model"] == model}):
+    figure, axes = plt.subplots(len(models), 2, figsize=(10, 4 * len(models)), squeeze=False)
+    for (speed, memory), model in zip(axes, models):
+        methods = sorted({r["method"] for r in rows if r["model"] == model}, key=lambda m: (m != "none", m))
+        for method in methods:
             chosen = [r for r in rows if r["model"] == model and r["method"] == method]
-            axis.plot([int(r["concurrency"]) for r in chosen], [float(r["req_per_s"]) for r in chosen], marker="o",
-                      label=f"{method} keep {chosen[0]['keep']}")
-        axis.set(xscale="log", xlabel="concurrency", ylabel="requests/s", title=model)
-        axis.legend()
-    figure.suptitle((out / "conditions.txt").read_text()[:110] + "...", fontsize=7)
+            speed.plot([int(r["concurrency"]) for r in chosen], [float(r["req_per_s"]) for r in chosen], marker="o",
+                       label=f"{method} keep {chosen[0]['keep']}")
+        speed.set(xscale="log", xlabel="concurrency", ylabel="requests/s", title=f"{model}: throughput")
+        speed.legend()
+        budget = [next(int(r["max_requests_in_budget"]) for r in rows if r["model"] == model and r["method"] == m)
+                  for m in methods]
+        memory.bar(methods, budget, color=[f"C{i}" for i in range(len(methods))])
+        memory.set(ylabel="requests whose KV fits the budget", title=f"{model}: KV budget (see conditions)")
+    figure.suptitle(textwrap.fill((out / "conditions.txt").read_text().strip(), 180), fontsize=6)
     figure.tight_layout()
     figure.savefig(out / "serving.png", dpi=120)
 
