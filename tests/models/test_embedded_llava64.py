@@ -32,7 +32,7 @@ def test_registered_files_and_size() -> None:
     weights = list(path.glob("*.safetensors"))
     assert weights and sum(w.stat().st_size for w in weights) < 30 * 2**20
     assert not list(path.glob("*.pt")), "training checkpoints stay out of the package"
-    assert "## Ship bar" in (path / "README.md").read_text()
+    assert "## What it answers" in (path / "README.md").read_text()
 
 
 def test_sixty_four_visual_tokens(loaded) -> None:

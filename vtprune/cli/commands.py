@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("vtprune.eval.tuning.calibrate_cli", "fit the positional attention trend used by debias"),
     "tune": ("vtprune.eval.tuning.tune", "optimise a method's hyperparameters under an average-retention budget"),
     "demo": ("vtprune.demo.cli", "launch the Gradio demo (pruned vs unpruned, side by side)"),
-    "serve": ("vtprune.vllm.serve", "start vLLM's OpenAI-compatible server with pre-LLM pruning"),
+    "serve": ("vtprune.vllm.serve", "start vLLM's OpenAI-compatible server with visual-token pruning"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``vtprune serve``: vLLM's OpenAI-compatible server with vtprune's plugin (pre-LLM pruning), one command.
+"""``vtprune serve``: vLLM's OpenAI-compatible server with vtprune's plugin (pre-LLM and layer-wise pruning), one command.
 
 ``vtprune serve [MODEL] --method divprune --keep 0.25 [vLLM options]`` checks the settings here (one line,
 exit 2), turns ``embedded:llava`` / ``embedded:qwen2_vl`` into a folder vLLM loads, and runs
