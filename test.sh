@@ -100,7 +100,7 @@ if [ "$run_vllm" = "1" ]; then
   finish_bg setup-vllm --show || exit 1
   phase "set up the vLLM venv (waited for)"
   vllm_venv=${VTPRUNE_VLLM_VENV:-$HOME/.cache/vtprune/venv-vllm-${VTPRUNE_VLLM_VERSION:-0.32.0}}
-  OMP_NUM_THREADS=1 timeout --kill-after=60 2700 "$vllm_venv/bin/python" -m pytest -q -o faulthandler_timeout=900 \
+  OMP_NUM_THREADS=1 timeout --kill-after=60 2700 "$vllm_venv/bin/python" -m pytest -q -o faulthandler_timeout=900 -o timeout=2400 \
     tests/vllm || exit $?
   phase "vLLM suite"
 fi
