@@ -148,3 +148,47 @@ def test_speculative_decoding_and_kv_connectors_refused():
         setattr(config, field, object())
         with pytest.raises(ValueError, match="speculative|connector"):
             lw_config.LayerwiseConfig.verify_and_update_config(config)
+
+
+# -- PrefixKV (vtprune.vllm.layerwise.retention) ----------------------------------------------------------------
+@pytest.mark.parametrize("options, match", [
+    ({"scope": "prompt"}, "scope='prompt' evicts text entries.*drop scope='prompt'"),
+    ({"query_rows": 0}, "query_rows=0 must be a positive int"),
+    ({"profile": "p.json"}, "calibrated profile.*drop profile='p.json'"),
+])
+def test_prefixkv_options_the_plugin_does_not_serve_are_refused_in_one_line(options, match):
+    from vtprune.vllm.layerwise.plan import make_retention_scorer
+
+    with pytest.raises(ValueError, match=match) as error:
+        make_retention_scorer("prefixkv", options)
+    assert "\n" not in str(error.value)
+    assert make_retention_scorer("prefixkv", {"query_rows": 8}).query_rows == 8
+    with pytest.raises(ValueError, match="prunes the sequence"):
+        make_retention_scorer("fastv")
+
+
+def test_prefixkv_query_rows_are_the_transformers_paths():
+    from vtprune.vllm.layerwise.retention import query_rows
+
+    assert query_rows(10, None).tolist() == list(range(10)) and query_rows(10, 12).tolist() == list(range(10))
+    assert query_rows(10, 4).tolist() == [0, 3, 6, 9]  # evenly spaced, the last row included
+    assert query_rows(7, 1).tolist() == [0]
+
+
+def test_received_attention_sums_over_row_chunks_as_over_the_whole_prompt():
+    """The vLLM plugin sums a chunked prefill's rows chunk by chunk; both equal an explicit causal softmax."""
+    from vtprune.scoring import received_attention_sum
+
+    generator = torch.Generator().manual_seed(0)
+    query, key = torch.randn(1, 4, 9, 8, generator=generator), torch.randn(1, 2, 9, 8, generator=generator)
+    scale = 8 ** -0.5
+    logits = torch.einsum("hqd,hkd->hqk", query[0], key[0].repeat_interleave(2, dim=0)) * scale
+    logits = logits.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.softmax(logits, dim=-1).mean(dim=0).sum(dim=0)  # heads averaged, rows summed
+    rows = torch.arange(9)[None]
+    ones = torch.ones(1, 9, dtype=torch.bool)
+    whole = received_attention_sum(query, key, rows, ones, ones, scale)[0]
+    first = received_attention_sum(query[:, :, :4], key[:, :, :4], rows[:, :4], ones[:, :4], ones[:, :4], scale)[0]
+    second = received_attention_sum(query[:, :, 4:], key, rows[:, 4:], ones[:, 4:], ones, scale)[0]
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat([first, torch.zeros(5)]) + second, expected, atol=1e-5, rtol=1e-5)

@@ -45,9 +45,17 @@ def test_layer_wise_methods_served(method):
     assert settings.VllmPruning.from_dict({"method": method, "keep": 0.25}).layer_wise
 
 
-def test_prefixkv_refused_in_one_line_with_the_reason():
-    with pytest.raises(ValueError, match="prefixkv.*not available in the vLLM plugin.*block table") as error:
-        settings.check_method("prefixkv")
+def test_prefixkv_served_as_kv_retention():
+    pruning = settings.VllmPruning.from_dict({"method": "prefixkv", "keep": 0.25, "options": {"query_rows": 64}})
+    assert pruning.layer_wise and settings.is_retention("prefixkv") and not settings.is_retention("fastv")
+    with pytest.raises(ValueError, match="no stage layer; drop layer=2") as error:
+        settings.VllmPruning.from_dict({"method": "prefixkv", "layer": 2})
+    assert "\n" not in str(error.value)
+
+
+def test_methods_the_plugin_cannot_serve_refused_in_one_line_with_the_reason():
+    with pytest.raises(ValueError, match="oracle.*not available in the vLLM plugin.*evidence") as error:
+        settings.check_method("oracle")
     assert "\n" not in str(error.value)
 
 

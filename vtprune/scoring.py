@@ -153,13 +153,25 @@ class ScoreContext:
             index = first[:, None] + (steps[None, :] * (count[:, None] - 1).clamp(min=0)).round().long()
             mask = torch.ones_like(index, dtype=torch.bool)
         query, key = self.adapter.project_qk(self.layer, self.hidden, self.position_embeddings, index)
-        device = query.device
-        index, mask, valid = index.to(device), mask.to(device), self.valid.to(device)
         scaling = float(getattr(self.layer.self_attn, "scaling", query.shape[-1] ** -0.5))
-        total = torch.zeros(batch, length, dtype=torch.float32, device=device)
-        for start in range(0, index.shape[1], chunk):
-            part = slice(start, start + chunk)
-            mean = visual_attention_scores(query[:, :, part], key, query_positions=index[:, part], key_valid=valid,
-                                           query_valid=mask[:, part], scaling=scaling, check=False)
-            total += mean * mask[:, part].sum(dim=1, keepdim=True)  # the kernel averages the rows: back to a sum
-        return total.to(self.valid.device)
+        return received_attention_sum(query, key, index, mask, self.valid, scaling, chunk).to(self.valid.device)
+
+
+def received_attention_sum(query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
+                           query_valid: torch.Tensor, key_valid: torch.Tensor, scaling: float, chunk: int = 256
+                           ) -> torch.Tensor:
+    """``[B, L]`` float32: the head-averaged causal attention each key receives, summed over the valid query rows.
+
+    query ``[B, H, Q, d]`` (post-RoPE) at ``query_positions`` ``[B, Q]`` (a query sees the keys at or before its
+    position), key ``[B, H_kv, L, d]``, masks ``[B, Q]`` / ``[B, L]`` bool. Streamed ``chunk`` rows at a time. The sum
+    over rows splits over row subsets, so a prompt prefilled in chunks sums its chunks' results (the vLLM plugin).
+    """
+    device = query.device
+    positions, query_valid, key_valid = query_positions.to(device), query_valid.to(device), key_valid.to(device)
+    total = torch.zeros(key.shape[0], key.shape[2], dtype=torch.float32, device=device)
+    for start in range(0, positions.shape[1], chunk):
+        part = slice(start, start + chunk)
+        mean = visual_attention_scores(query[:, :, part], key, query_positions=positions[:, part], key_valid=key_valid,
+                                       query_valid=query_valid[:, part], scaling=scaling, check=False)
+        total += mean * query_valid[:, part].sum(dim=1, keepdim=True)  # the kernel averages the rows: back to a sum
+    return total

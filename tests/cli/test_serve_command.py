@@ -9,7 +9,7 @@ import shlex
 def test_serve_errors_are_one_line(cli, monkeypatch, tmp_path):
     import vtprune.vllm.serve as serve
 
-    code, _, err = cli("serve", "--method", "prefixkv")
+    code, _, err = cli("serve", "--method", "oracle")
     assert code == 2 and "not available in the vLLM plugin" in err and err.count("\n") == 1
     code, _, err = cli("serve", "--keep", "0")
     assert code == 2 and "outside (0, 1]" in err

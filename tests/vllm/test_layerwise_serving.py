@@ -140,7 +140,7 @@ def test_preempted_requests_are_recomputed_exactly(llava, prompts):
 
 @pytest.mark.parametrize("method, options, match", [
     ("pdrop", {}, "would prune at layer 1.*layer=2"),  # Qwen3-VL: DeepStack feeds layers 0 and 1
-    ("prefixkv", {}, "not available in the vLLM plugin"),
+    ("oracle", {}, "not available in the vLLM plugin"),
     ("fastv", {"async_scheduling": True}, "async_scheduling"),
 ])
 def test_unservable_settings_refused_at_start(qwen3, method, options, match):

@@ -107,7 +107,7 @@ def test_a_keep_that_would_not_be_applied_is_a_bad_request(server, items, kwargs
 
 def test_a_method_the_plugin_cannot_serve_is_refused_at_start(capfd):
     with pytest.raises(Exception) as error:
-        make_llm("qwen2_vl", method="prefixkv")
+        make_llm("qwen2_vl", method="oracle")
     output = str(error.value) + "".join(capfd.readouterr())
-    assert "method 'prefixkv' is not available in the vLLM plugin" in output
+    assert "method 'oracle' is not available in the vLLM plugin" in output
     assert "methods that work in vLLM: divprune, random" in output

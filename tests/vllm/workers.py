@@ -67,3 +67,13 @@ def set_head_gather(model, enabled: bool) -> None:
 
     saved = scoring.__dict__.setdefault("_vtprune_test_gather", scoring._gather_heads)
     scoring._gather_heads = saved if enabled else (lambda tensor: tensor)
+
+
+def break_retention(model, broken: bool) -> bool:
+    """Test control of PrefixKV's hooks: each layer keeps its lowest-priority entries instead of its highest (or,
+    ``broken=False``, back as it was), in this worker process."""
+    from vtprune.vllm.layerwise import retention
+
+    saved = retention.__dict__.setdefault("_vtprune_test_select", retention.select_kept)
+    retention.select_kept = (lambda scores, *args, **kwargs: saved(-scores, *args, **kwargs)) if broken else saved
+    return broken

@@ -178,6 +178,14 @@ class PrunedModelMixin:
     def _layer_wise(self, vllm_config: Any, runner: Any) -> Any:
         """The hooks of a layer-wise method on this model's language model (:mod:`vtprune.vllm.layerwise`), and its
         pruned layers' own KV specs."""
+        from vtprune.vllm.settings import is_retention
+
+        if is_retention(self.vtprune.method):  # PrefixKV: every layer keeps its own KV entries
+            from vtprune.vllm.layerwise.config import served_retention
+            from vtprune.vllm.layerwise.retention import RetentionRuntime
+
+            scorer = served_retention(vllm_config.model_config)
+            return RetentionRuntime(self, scorer, self.vtprune.keep, runner, self.vtprune_selections)
         from vtprune.vllm.layerwise import kv
         from vtprune.vllm.layerwise.config import served_plan
         from vtprune.vllm.layerwise.runtime import LayerwiseRuntime

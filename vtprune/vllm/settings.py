@@ -17,8 +17,11 @@ PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
 #: Methods that prune inside the language model (vtprune.vllm.layerwise): stage layers fixed at start-up, the kept
 #: count of every stage a function of the request's visual tokens and keep.
 LAYER_METHODS = ("fastv", "pdrop", "transprune", "ttv", "dart")
+#: KV retention inside the language model (vtprune.vllm.layerwise.retention): every layer computes over every token,
+#: then each layer keeps its own KV entries.
+RETENTION_METHODS = ("prefixkv",)
 #: Every method the plugin serves.
-VLLM_METHODS = PRE_LLM_METHODS + LAYER_METHODS
+VLLM_METHODS = PRE_LLM_METHODS + LAYER_METHODS + RETENTION_METHODS
 #: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
 TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL"}
 TOWER_METHODS = tuple(TOWER_FAMILIES)
@@ -30,8 +33,6 @@ DEBIASABLE = ("fastv", "pdrop", "transprune")
 NOT_YET = {
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
-    "prefixkv": "each layer keeps its own cache entries, counted per request after the prefill, while vLLM's KV "
-                "manager allocates one block table per layer group before it",
 }
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
@@ -83,8 +84,13 @@ def check_method(method: Any) -> str:
 
 
 def is_layer_wise(method: str) -> bool:
-    """Whether ``method`` (checked) prunes inside the language model."""
-    return method.partition("+")[0] in LAYER_METHODS
+    """Whether ``method`` (checked) prunes inside the language model (its sequence or its KV entries)."""
+    return method.partition("+")[0] in LAYER_METHODS + RETENTION_METHODS
+
+
+def is_retention(method: str) -> bool:
+    """Whether ``method`` (checked) retains KV entries per layer instead of pruning the sequence (PrefixKV)."""
+    return method.partition("+")[0] in RETENTION_METHODS
 
 
 def check_architecture(architecture: str) -> str:
@@ -172,6 +178,9 @@ class VllmPruning:
         if (layer is not None or options) and not is_layer_wise(method):
             raise ValueError(f"vtprune: 'layer' and 'options' apply to the layer-wise methods "
                              f"({', '.join(LAYER_METHODS)}), not to {method!r}.")
+        if layer is not None and is_retention(method):
+            raise ValueError(f"vtprune: {method!r} keeps KV entries in every layer and has no stage layer; drop "
+                             f"layer={layer!r}.")
         if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 1):
             raise ValueError(f"vtprune: layer={layer!r} must be an integer >= 1 (the first decoder layer that sees "
                              "the pruned tokens; FastV's K = 2).")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vtprune.vllm.layerwise.plan import LayerPlan, make_layer_plan
-from vtprune.vllm.settings import VllmPruning
+from vtprune.vllm.layerwise.plan import LayerPlan, make_layer_plan, make_retention_scorer
+from vtprune.vllm.settings import VllmPruning, is_retention
 
 logger = logging.getLogger("vtprune.vllm")
 SCHEDULER = "vtprune.vllm.layerwise.scheduler.PruningScheduler"
@@ -42,8 +42,9 @@ def _refuse(condition: bool, message: str) -> None:
         raise ValueError(f"vtprune: {message}")
 
 
-def check_engine(vllm_config: Any, method: str) -> None:
-    """One-line refusals of the engine settings a layer-wise method cannot serve exactly."""
+def check_engine(vllm_config: Any, method: str, own_scheduler: bool = True) -> None:
+    """One-line refusals of the engine settings a layer-wise method cannot serve exactly (``own_scheduler``: the
+    method runs vtprune's scheduler and KV groups)."""
     parallel, scheduler = vllm_config.parallel_config, vllm_config.scheduler_config
     _refuse(parallel.pipeline_parallel_size > 1, f"{method} prunes between decoder layers, which pipeline "
             "parallelism splits across ranks; serve it with pipeline_parallel_size=1 (tensor parallelism works).")
@@ -58,11 +59,29 @@ def check_engine(vllm_config: Any, method: str) -> None:
             "--enable-dbo off.")
     _refuse(scheduler.async_scheduling is True, f"{method} schedules synchronously (the pruned KV groups are sized "
             "per step); drop async_scheduling=True.")
+    if not own_scheduler:
+        return
     custom = scheduler.scheduler_cls
     _refuse(custom not in (None, SCHEDULER) and not (isinstance(custom, str) and custom.startswith("vllm.")),
             f"{method} needs vtprune's scheduler; drop scheduler_cls={custom!r}.")
     _refuse(bool(getattr(scheduler, "disable_hybrid_kv_cache_manager", False)), f"{method} keeps pruned layers in KV "
             "cache groups of their own; drop disable_hybrid_kv_cache_manager.")
+
+
+def served_retention(model_config: Any) -> Any:
+    """PrefixKV's scorer for a model config (``hf_config.vtprune`` settings), checked."""
+    pruning = VllmPruning.from_config(model_config.hf_config)
+    return make_retention_scorer(pruning.method, dict(pruning.options), model_config.hf_config)
+
+
+def _retention_settings(vllm_config: Any, method: str) -> None:
+    """PrefixKV: the settings the layer-wise methods refuse but the scheduler's; prefix caching off (each layer's
+    entries are rewritten after the prefill, so cached blocks would not hold the prompt's KV)."""
+    check_engine(vllm_config, method, own_scheduler=False)
+    if vllm_config.cache_config.enable_prefix_caching:
+        logger.warning("vtprune: %s rewrites each layer's KV entries after the prefill; prefix caching is turned off.",
+                       method)
+        vllm_config.cache_config.enable_prefix_caching = False
 
 
 class LayerwiseConfig:
@@ -74,9 +93,13 @@ class LayerwiseConfig:
         pruning = VllmPruning.from_config(model_config.hf_config)
         if not pruning.layer_wise:
             return
-        served_plan(model_config)  # refuse a bad method, layer or option now, in the caller's process
-        check_engine(vllm_config, pruning.method)
-        vllm_config.scheduler_config.scheduler_cls = SCHEDULER
+        if is_retention(pruning.method):
+            served_retention(model_config)  # refuse a bad option now, in the caller's process
+            _retention_settings(vllm_config, pruning.method)
+        else:
+            served_plan(model_config)  # refuse a bad method, layer or option now, in the caller's process
+            check_engine(vllm_config, pruning.method)
+            vllm_config.scheduler_config.scheduler_cls = SCHEDULER
         vllm_config.scheduler_config.async_scheduling = False
         if not model_config.enforce_eager:
             logger.warning("vtprune: %s runs the language model eagerly (enforce_eager=True): its compaction between "

@@ -27,6 +27,15 @@ def region_groups(runner: Any) -> dict[int, list[int]]:
     return out
 
 
+def layer_group(runner: Any, layer_name: str) -> tuple[int, Any]:
+    """``(KV cache group id, AttentionGroup)`` of the attention layer ``layer_name``."""
+    for gid, groups in enumerate(runner.attn_groups):
+        for attention_group in groups:
+            if layer_name in attention_group.layer_names:
+                return gid, attention_group
+    raise RuntimeError(f"vtprune: attention layer {layer_name!r} is in no KV cache group (untested vLLM version?).")
+
+
 def common_metadata(runner: Any, gid: int, layout: RegionLayout, device: torch.device) -> Any:
     """The ``CommonAttentionMetadata`` of ``layout``'s rows in KV cache group ``gid``."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -67,6 +76,17 @@ class ForwardContextSwap:
                 for name in attention_group.layer_names:
                     self._set(context.attn_metadata, name, metadata)
                     self._set(context.slot_mapping, name, common.slot_mapping)
+
+    def install_layer(self, runner: Any, layer_name: str, layout: RegionLayout, device: torch.device) -> None:
+        """Metadata and slot mapping of ``layout`` for one attention layer (PrefixKV: every layer its own lengths),
+        built by the layer's own group just before the layer runs."""
+        from vllm.forward_context import get_forward_context
+
+        context = get_forward_context()
+        gid, attention_group = layer_group(runner, layer_name)
+        common = common_metadata(runner, gid, layout, device)
+        self._set(context.attn_metadata, layer_name, attention_group.build_metadata(common))
+        self._set(context.slot_mapping, layer_name, common.slot_mapping)
 
     def _set(self, table: dict, name: str, value: Any) -> None:
         self.saved.append((table, name, table.get(name)))

@@ -111,3 +111,28 @@ def make_layer_plan(method: str, keep: float, num_layers: int, *, options: dict 
             raise ValueError(f"vtprune: {method!r} moves its stage layers with keep ({layers} at keep={keep}); "
                              "per-request keeps need fixed layers: give layer=K.")
     return LayerPlan(scorer=scorer, stages=tuple(stages), num_layers=num_layers, layer=layer)
+
+
+#: PrefixKV options the vLLM plugin does not serve, and why (the defaults: scope="visual", exact counts, decode="keep").
+RETENTION_REFUSED = {
+    "scope": ("visual", "scope='prompt' evicts text entries too, which the plugin does not count yet"),
+    "counting": ("exact", "counting='release' (parity='release') is served by the transformers path only"),
+    "decode": ("keep", "decode='release' masks entries during decoding, which the plugin does not do"),
+    "profile": (None, "a calibrated profile is served by the transformers path only; the plugin searches the "
+                      "per-layer counts per request"),
+}
+
+
+def make_retention_scorer(method: str, options: dict | None = None, hf_config: Any = None) -> Any:
+    """PrefixKV's scorer for a served model, checked once at start-up (one-line ``ValueError`` otherwise)."""
+    from vtprune.methods.registry import resolve
+
+    model = SimpleNamespace(config=hf_config) if hf_config is not None else None
+    scorer = resolve(method, dict(options or {}), model=model)
+    if scorer.kv_retention() is None:
+        raise ValueError(f"vtprune: {method!r} prunes the sequence; it is not a KV-retention method.")
+    for name, (default, why) in RETENTION_REFUSED.items():
+        if getattr(scorer, name) != default:
+            raise ValueError(f"vtprune: {method!r} in vLLM: {why}; drop {name}={getattr(scorer, name)!r}.")
+    return scorer
+

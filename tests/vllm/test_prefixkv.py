@@ -1,0 +1,126 @@
+"""PrefixKV inside vLLM against vtprune's transformers path (``vtprune.wrap(model, "prefixkv", keep=0.25)``).
+
+Every layer computes over every token at prefill; afterwards each layer's KV entries of a request are its own kept
+subset (vtprune's per-layer counts and selection), and decode steps read only those. Checked on the embedded
+LLaVA-1.5 and Qwen2-VL (4 decoder layers, original positions), prompts prefilled in chunks of 8 tokens, two
+sequences at a time (new prefills join running decodes): the greedy tokens and six steps of log-probabilities, and
+every layer's kept visual tokens, equal the transformers path's. Controls: the unpruned model's steps, and an engine
+whose layers keep their lowest-priority entries, both fail the same check. Per-request keep 1.0 equals the unpruned
+model. Preempted requests are recomputed exactly. Prefix caching, asked for, is turned off at start-up.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import reference
+from conftest import shutdown
+from layerwise_support import TOLERANCE, engine_steps, reference_steps, selections, step_gap
+from test_layerwise import start
+from workers import break_layerwise, break_retention
+
+FAMILIES = ("llava", "qwen2_vl")
+
+
+@pytest.fixture(scope="module")
+def prompts(items):
+    sizes = [(112, 112), (200, 112), (112, 190)]
+    chosen = [(image.resize(size), question) for (image, question), size in zip(items, sizes)]
+    return chosen + [([chosen[1][0], chosen[2][0]], chosen[0][1])]
+
+
+def kept_per_layer(model, processor, items, keep: float) -> list[tuple[tuple[int, ...], ...]]:
+    """Per item: each layer's kept visual tokens in vtprune's transformers path (``last_stats.kept_indices``)."""
+    import torch
+
+    import vtprune
+
+    out = []
+    with vtprune.apply(model, "prefixkv", keep=keep) as handle:
+        for image, question in items:
+            count = len(image) if isinstance(image, list) else 1
+            inputs = processor(images=image, text=reference.prompt(processor, question, count), return_tensors="pt")
+            with torch.no_grad():
+                model(**inputs)
+            out.append(tuple(tuple(int(i) for i in layer[0]) for layer in handle.last_stats.kept_indices))
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, prompts):
+    from vtprune.vllm.export import model_folder
+
+    folder = model_folder(f"embedded:{request.param}")
+    model, processor = reference.load_folder(folder)
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25)
+    layers = kept_per_layer(model, processor, prompts, 0.25)
+    llm = start(folder, request.param, "prefixkv")
+    yield llm, model, processor, want, layers
+    shutdown(llm)
+
+
+def test_prefixkv_equals_the_transformers_path(case, prompts):
+    llm, _, _, want, layers = case
+    selections(llm)
+    assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+    got = [tuple(tuple(layer) for layer in item) for item in selections(llm)]
+    assert collections.Counter(got) == collections.Counter(layers)
+    assert any(len(set(map(len, item))) > 1 for item in got)  # the layers keep different counts
+
+
+def test_controls_fail_the_same_check(case, prompts):
+    llm, _, _, want, _ = case
+    assert step_gap(engine_steps(llm, prompts, keep=1.0), want) > 0.01  # the unpruned model's decoding differs
+    for control in ("selection", "decode_shift"):
+        try:
+            if control == "selection":
+                llm.apply_model(functools.partial(break_retention, broken=True))
+            else:
+                llm.apply_model(functools.partial(break_layerwise, part="decode_shift"))
+            assert step_gap(engine_steps(llm, prompts), want) > 0.01, control
+        finally:
+            llm.apply_model(functools.partial(break_retention, broken=False))
+            llm.apply_model(functools.partial(break_layerwise, part=None))
+    assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+
+
+def test_keep_one_equals_the_unpruned_model(case, prompts):
+    llm, model, processor, _, _ = case
+    selections(llm)
+    want = reference_steps(model, processor, prompts, None, 1.0)
+    assert step_gap(engine_steps(llm, prompts, keep=1.0), want) < TOLERANCE
+    assert selections(llm) == []
+
+
+def test_prefix_caching_is_turned_off(case):
+    llm = case[0]
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+
+
+def test_preempted_requests_are_recomputed_exactly(prompts):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vtprune.vllm.export import model_folder
+
+    folder = model_folder("embedded:llava")
+    model, processor = reference.load_folder(folder)
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
+    preempted = []
+    original = Scheduler._preempt_request
+
+    def preempt(self, request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(self, request, *args, **kwargs)
+
+    llm = start(folder, "llava", "prefixkv", max_model_len=64, num_gpu_blocks_override=3, max_num_batched_tokens=4,
+                max_num_seqs=4)
+    Scheduler._preempt_request = preempt
+    try:
+        got = engine_steps(llm, prompts, steps=16)
+    finally:
+        Scheduler._preempt_request = original
+        shutdown(llm)
+    assert preempted, "the KV cache was large enough: nothing was preempted"
+    assert step_gap(got, want) < TOLERANCE

@@ -1,0 +1,230 @@
+"""PrefixKV inside vLLM: each layer's KV entries of a request become its own kept subset after the prefill.
+
+PrefixKV (Wang et al., arXiv:2412.03409) compresses the KV cache, it does not prune the sequence: every layer
+computes over every token at prefill, as in vtprune's transformers path (:mod:`vtprune.kv`). Per step:
+
+* layer 0's pre-hook reads the step's requests from the runner;
+* each attention module's pre-hook (vLLM's ``Attention.forward(query, key, value)``, after RoPE) adds the attention
+  that the request's prompt rows of this step pay each prompt key to the layer's priority
+  (:func:`vtprune.scoring.received_attention_sum`, the function PrefixKV's scorer sums with; a sum over rows, so a
+  prompt prefilled in chunks sums its chunks) and holds the rows' keys and values until the prefill ends;
+* when a prefill ends, the final norm's hook counts each layer's kept entries with vtprune's own
+  :func:`vtprune.kv.layer_counts` and :func:`vtprune.layout.select_kept` and writes each layer's kept keys and
+  values to the front of the request's slots with the backend's own ``do_kv_cache_update``;
+* in later steps each decoder layer's pre-hook installs that layer's attention metadata: the request's sequence
+  length there is its tokens minus the layer's evicted entries, new entries go right after the kept ones.
+
+Decoding reads only the kept entries. The KV memory is not freed: vLLM allocates a request's blocks before the
+counts are known, and frees them whole.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vtprune.kv import evictable_mask, layer_counts
+from vtprune.layout import select_kept
+from vtprune.plan import KVPlan
+from vtprune.scoring import received_attention_sum
+from vtprune.vllm import ranks
+from vtprune.vllm.layerwise import scoring
+from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, region_layout, slot_mapping
+from vtprune.vllm.layerwise.metadata import ForwardContextSwap, layer_group
+from vtprune.vllm.layerwise.requests import request_keep, visual_positions
+
+
+@dataclass
+class RetentionRecord:
+    """One request's retention on this worker: ``visual`` (prompt positions of its visual tokens), ``keep``; while
+    its prefill runs, per layer the ``priority`` ``[P]`` summed so far, the earlier chunks' prompt ``keys`` (all
+    heads, for scoring) and ``entries`` (this rank's keys and values of every row, for the rewrite); afterwards
+    ``evicted``, the entries each layer dropped."""
+
+    visual: torch.Tensor
+    keep: float
+    priority: list = field(default_factory=list)
+    keys: list = field(default_factory=list)
+    entries: list = field(default_factory=list)
+    evicted: tuple[int, ...] | None = None
+
+    def reset(self, layers: int) -> None:
+        """Start the prefill again (the request's first step, or a recompute after a preemption)."""
+        self.priority, self.evicted = [None] * layers, None
+        self.keys, self.entries = [[] for _ in range(layers)], [[] for _ in range(layers)]
+
+
+def query_rows(prompt: int, sampled: int | None) -> torch.Tensor:
+    """``[Q]`` the prompt rows whose attention counts (PrefixKV's ``query_rows``): every row, or ``sampled`` evenly
+    spaced ones, the last included, as :meth:`vtprune.scoring.ScoreContext.received_attention` picks them."""
+    if sampled is None or sampled >= prompt:
+        return torch.arange(prompt)
+    steps = torch.linspace(0, 1, max(int(sampled), 1))
+    return (steps * max(prompt - 1, 0)).round().long()
+
+
+class RetentionRuntime:
+    """Hooks of one model served with ``prefixkv``: ``model`` (vLLM's multimodal model), the method's ``scorer``,
+    the default ``keep``, the runner (weakly held) and the deque that records each prefill's kept tokens per layer."""
+
+    def __init__(self, model: Any, scorer: Any, keep: float, runner: Any, selections: collections.deque) -> None:
+        self.lm = model.get_language_model().model
+        self.layers = scoring.VllmLayers(self.lm, getattr(model, "config", None))
+        self.retention, self.sampled = scorer.kv_retention(), scorer.query_rows
+        self.keep, self.selections, self.runner = keep, selections, weakref.ref(runner)
+        self.attention = [layer.self_attn.attn for layer in self.layers.decoder_layers]
+        self.records: dict[str, RetentionRecord | None] = {}
+        self.steps: list[tuple[StepRequest, RetentionRecord | None]] | None = None
+        self.prefilling: list[tuple[StepRequest, RetentionRecord]] = []
+        self.decoding = False
+        self.swap = ForwardContextSwap()
+        self.handles = []
+        for index, layer in enumerate(self.layers.decoder_layers):
+            self.handles.append(layer.register_forward_pre_hook(partial(self._before_layer, index), with_kwargs=True))
+            self.handles.append(self.attention[index].register_forward_pre_hook(partial(self._attend, index),
+                                                                                with_kwargs=True))
+        self.handles.append(self.lm.norm.register_forward_hook(self._end))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    # -- the step -----------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        self.steps, self.prefilling, self.decoding = None, [], False
+        if not is_forward_context_available() or not get_forward_context().attn_metadata:
+            return  # a dummy run (profiling, an idle data-parallel rank)
+        runner = self.runner()
+        batch = runner.input_batch if runner is not None else None
+        count = batch.num_reqs if batch is not None else 0
+        if count == 0:
+            return
+        starts = runner.query_start_loc.cpu[:count + 1].tolist()
+        for gone in [rid for rid in self.records if rid not in runner.requests]:
+            del self.records[gone]
+        steps = []
+        for index, request_id in enumerate(batch.req_ids[:count]):
+            record = self._record(request_id, runner.requests[request_id])
+            step = StepRequest(index, starts[index], starts[index + 1] - starts[index],
+                               int(batch.num_computed_tokens_cpu[index]), int(batch.num_prompt_tokens[index]), (0, 0))
+            if record is not None and (step.computed == 0 or (record.evicted and step.computed < step.prompt)):
+                record.reset(len(self.attention))
+            steps.append((step, record))
+        self.prefilling = [(s, r) for s, r in steps if r is not None and s.computed < s.prompt]
+        self.decoding = any(r is not None and r.evicted is not None for _, r in steps)
+        self.steps = steps if self.prefilling or self.decoding else None
+
+    def _record(self, request_id: str, state: Any) -> RetentionRecord | None:
+        if request_id not in self.records:
+            visual = visual_positions(state.mm_features or [])
+            keep = request_keep(state.mm_features or [], self.keep)
+            self.records[request_id] = RetentionRecord(visual, keep) if visual.numel() and keep < 1.0 else None
+        return self.records[request_id]
+
+    def _before_layer(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
+        if index == 0:
+            self._begin()
+        if self.steps is None or not self.decoding:
+            return
+        steps = [StepRequest(s.index, s.start, s.scheduled, s.computed, s.prompt,
+                             (0, r.evicted[index] if r is not None and r.evicted is not None else 0))
+                 for s, r in self.steps]
+        self.swap.install_layer(self.runner(), self.attention[index].layer_name, region_layout(steps, 1),
+                                args[1].device)
+
+    def _attend(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
+        """Priority and entries of the prefilling requests' rows at decoder layer ``index``."""
+        if self.steps is None or not self.prefilling:
+            return
+        query, key, value = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+        size = module.head_size
+        for step, record in self.prefilling:
+            rows = slice(step.start, step.start + step.scheduled)
+            local_keys = key[rows].reshape(step.scheduled, -1, size)
+            record.entries[index].append((local_keys.clone(), value[rows].reshape(step.scheduled,
+                                                                                   local_keys.shape[1], -1).clone()))
+            self._add_priority(index, step, record, query[rows], key[rows])
+
+    def _add_priority(self, index: int, step: StepRequest, record: RetentionRecord, query: torch.Tensor,
+                      key: torch.Tensor) -> None:
+        """Add the attention of this step's prompt rows to layer ``index``'s priority of the prompt keys."""
+        count = min(step.scheduled, step.prompt - step.computed)
+        size = self.attention[index].head_size
+        keys = scoring._gather_heads(key[:count]).reshape(count, -1, size)
+        earlier = record.keys[index]
+        current = keys
+        keys = torch.cat([*earlier, current]) if earlier else current  # [prompt rows so far, H_kv, d]
+        if step.computed + step.scheduled < step.prompt:
+            earlier.append(current)  # a later chunk's rows attend to these keys too
+        rows = query_rows(step.prompt, self.sampled)
+        rows = rows[(rows >= step.computed) & (rows < step.computed + count)]
+        if record.priority[index] is None:
+            record.priority[index] = torch.zeros(step.prompt, dtype=torch.float32, device=key.device)
+        if rows.numel() == 0:
+            return
+        queries = scoring._gather_heads(query[rows - step.computed]).reshape(rows.numel(), -1, size)
+        scaling = float(getattr(self.layers.decoder_layers[index].self_attn, "scaling", size ** -0.5))
+        summed = received_attention_sum(queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], rows[None],
+                                        torch.ones(1, rows.numel(), dtype=torch.bool),
+                                        torch.ones(1, keys.shape[0], dtype=torch.bool), scaling)
+        record.priority[index][:keys.shape[0]] += summed[0]
+
+    def _end(self, module: Any, args: tuple, output: Any) -> None:
+        if self.steps is None:
+            return
+        for step, record in self.prefilling:
+            if step.computed + step.scheduled >= step.prompt:
+                self._retain(step, record)
+        self.swap.restore()
+        self.steps, self.prefilling = None, []
+
+    # -- after a prefill ----------------------------------------------------------------------------------------
+    def _kept(self, step: StepRequest, record: RetentionRecord) -> torch.Tensor:
+        """``[layers, P]`` bool: each layer's kept prompt entries (vtprune's counts and selection; rank 0's)."""
+        device = record.priority[0].device
+        priorities = torch.stack(record.priority)[:, None, :]  # [layers, 1, P]
+        visual = torch.zeros(1, step.prompt, dtype=torch.bool, device=device)
+        visual[0, record.visual.to(device)] = True
+        valid = torch.ones_like(visual)
+        evictable = evictable_mask(SimpleNamespace(visual=visual, valid=valid), self.retention.scope,
+                                   self.retention.start)
+        counts, _, available = layer_counts(KVPlan(retention=self.retention, keep=record.keep), priorities,
+                                            evictable, valid)
+        masks = [select_kept(priorities[layer], evictable, valid, torch.tensor(counts[layer], device=device),
+                             width=available[0], k_max=counts[layer][0])[0] for layer in range(len(counts))]
+        return ranks.broadcast_from_first_rank(torch.stack(masks).to(torch.uint8)).bool()
+
+    def _retain(self, step: StepRequest, record: RetentionRecord) -> None:
+        """Write each layer's kept entries (then any recomputed generated ones) to the front of the request's slots."""
+        kept = self._kept(step, record)
+        end = step.computed + step.scheduled
+        runner = self.runner()
+        evicted, ordinals = [], []
+        ordinal = torch.full((step.prompt,), -1, dtype=torch.long)
+        ordinal[record.visual] = torch.arange(record.visual.numel())
+        for layer, attention in enumerate(self.attention):
+            prompt_rows = kept[layer].nonzero().flatten().cpu()
+            rows = torch.cat([prompt_rows, torch.arange(step.prompt, end)])
+            keys = torch.cat([k for k, _ in record.entries[layer]])
+            values = torch.cat([v for _, v in record.entries[layer]])
+            gid, _ = layer_group(runner, attention.layer_name)
+            table = runner.input_batch.block_table[gid]
+            layout = RegionLayout([step.index], [rows.numel()], [rows.numel()], torch.arange(rows.numel()))
+            slots = slot_mapping(table.block_table.gpu, table.block_size, layout).to(keys.device)
+            device_rows = rows.to(keys.device)
+            attention.impl.do_kv_cache_update(attention, keys[device_rows], values[device_rows], attention.kv_cache,
+                                              slots)
+            evicted.append(step.prompt - prompt_rows.numel())
+            ordinals.append([int(o) for o in ordinal[prompt_rows] if o >= 0])
+        record.evicted = tuple(evicted)
+        record.priority, record.keys, record.entries = [], [], []
+        self.selections.append(ordinals)
