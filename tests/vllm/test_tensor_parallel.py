@@ -110,3 +110,20 @@ def test_layer_wise_pruning_keeps_the_same_tokens_on_both_ranks(engine, items):
         llm.apply_model(functools.partial(set_head_gather, enabled=True))
         llm.apply_model(functools.partial(set_broadcast, enabled=True))
         shutdown(llm)
+
+
+def test_prefixkv_keeps_the_same_entries_on_both_ranks(items):
+    """PrefixKV: each rank holds half the KV heads and rewrites its own half of each layer's kept entries; the
+    priorities gather every head, so both ranks keep the transformers path's entries in every layer and decode its
+    six steps."""
+    model, processor = reference.load("qwen2_vl")
+    chosen = items[:ITEMS]
+    want = reference_steps(model, processor, chosen, "prefixkv", 0.25)
+    llm = two_ranks(method="prefixkv", max_num_seqs=2)
+    try:
+        rank_selections(llm)
+        assert step_gap(engine_steps(llm, chosen), want) < TOLERANCE
+        first, second = rank_selections(llm)
+        assert first == second and len(first) == len(chosen)
+    finally:
+        shutdown(llm)
