@@ -36,8 +36,8 @@ PROXY_LM = {"proxy576": dict(hidden_size=512, num_hidden_layers=4, num_attention
 PROXY_TOWER = {"proxy576": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
                "proxy7b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)}
 FIELDS = ["model", "engine", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
-          "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_blocks_per_req", "kv_mib_per_req",
-          "max_requests_in_budget", "speedup", "vs_transformers"]
+          "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_read_tokens_per_req",
+          "kv_blocks_per_req", "kv_mib_per_req", "max_requests_in_budget", "speedup", "vs_transformers"]
 
 
 def proxy_folder(name: str, root: Path) -> Path:
@@ -119,10 +119,12 @@ def kept_tokens(method: str, keep: float, visual: int, num_layers: int) -> int:
     """Visual tokens the last stage keeps (all for ``none``): a pre-LLM method before the language model, a
     layer-wise one after its last stage."""
     from vtprune.vllm.select import kept_count
-    from vtprune.vllm.settings import is_layer_wise
+    from vtprune.vllm.settings import is_layer_wise, is_retention
 
     if method == "none":
         return visual
+    if is_retention(method):  # every layer keeps its own entries: keep of them on average
+        return kept_count(keep, visual)
     if is_layer_wise(method):
         from vtprune.vllm.layerwise.plan import make_layer_plan
 
