@@ -52,7 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--method", default="divprune", help="before the language model: divprune, random, temporal "
                        "(Qwen2-VL / Qwen2.5-VL video), visionzip (LLaVA-1.5, Qwen-VL) or vflowopt (the same families, "
                        "images; its pre-LLM stage); inside it: fastv, pdrop, transprune, ttv, dart, and fastv+debias, "
-                       "pdrop+debias, transprune+debias (docs/serving.md)")
+                       "pdrop+debias, transprune+debias; prefixkv (each layer keeps its own KV entries; "
+                       "docs/serving.md)")
     serve.add_argument("--keep", type=float, default=0.25, help="fraction of each image's visual tokens kept, in (0, 1]")
     serve.add_argument("--seed", type=int_range(0), default=0, help="seed of --method random")
     serve.add_argument("--layer", type=int_range(1), default=None,
