@@ -1,7 +1,7 @@
 """The layer-wise vLLM plugin on a device's attention backends, against vtprune's transformers path.
 
-For each backend (GPU: FLASH_ATTN, FLASHINFER where importable; CPU: CPU_ATTN) and each method (fastv, pdrop, dart)
-on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
+For each backend (GPU: FLASH_ATTN, FLASHINFER where importable; CPU: CPU_ATTN) and each method (fastv, pdrop, dart,
+prefixkv: each layer's kept entries) on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
 time) answers four prompts at keep 0.25 for 6 steps; the kept tokens, the token ids and the largest log-probability
 gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise.json`` and ``OUT/layerwise.md``.
 A backend that refuses the model (e.g. its head size) is recorded and skipped. Run by ``scripts/gpu_check.sh`` on
@@ -54,7 +54,8 @@ def reference(folder: str, method: str, dtype, device: str, items: list) -> list
                                         return_dict_in_generate=True, eos_token_id=[10 ** 9], pad_token_id=0)
             ids = result.sequences[0, inputs["input_ids"].shape[1]:].tolist()
             steps = [torch.log_softmax(s[0].float(), dim=-1).cpu() for s in result.scores]
-            out.append((ids, [int(i) for i in handle.last_stats.kept_indices[-1][0]], steps))
+            layers = [[int(i) for i in layer[0]] for layer in handle.last_stats.kept_indices]
+            out.append((ids, layers if method == "prefixkv" else layers[-1], steps))
     finally:
         handle.remove()
     return out
@@ -89,7 +90,7 @@ def compare(rows: list, kept: list, want: list) -> dict:
     gap = max((abs(v - float(w[2][step][t])) for (ids, tops), w in zip(rows, want) if ids == w[0]
                for step, top in enumerate(tops) for t, v in top.items()), default=float("nan"))
     return {"requests": len(rows), "ids_equal": ids_equal, "max_logprob_gap": round(gap, 5),
-            "kept_equal": sorted(map(tuple, kept)) == sorted(tuple(w[1]) for w in want)}
+            "kept_equal": sorted(map(str, kept)) == sorted(str(w[1]) for w in want)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--backends", default=None, help="default: FLASH_ATTN,FLASHINFER on cuda, CPU_ATTN on cpu")
-    parser.add_argument("--methods", default="fastv,pdrop,dart")
+    parser.add_argument("--methods", default="fastv,pdrop,dart,prefixkv")
     args = parser.parse_args(argv)
     import torch
 
