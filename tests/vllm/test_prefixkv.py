@@ -2,7 +2,7 @@
 
 Every layer computes over every token at prefill; afterwards each layer's KV entries of a request are its own kept
 subset (vtprune's per-layer counts and selection), and decode steps read only those. Checked on the embedded
-LLaVA-1.5 and Qwen2-VL (4 decoder layers, original positions), prompts prefilled in chunks of 8 tokens, two
+LLaVA-1.5 and Qwen2-VL and tiny LLaVA-NeXT (tile grids) and Qwen3-VL (DeepStack) checkpoints (4 decoder layers), prompts prefilled in chunks of 8 tokens, two
 sequences at a time (new prefills join running decodes): the greedy tokens and six steps of log-probabilities, and
 every layer's kept visual tokens, equal the transformers path's. Controls: the unpruned model's steps, and an engine
 whose layers keep their lowest-priority entries, both fail the same check. Per-request keep 1.0 equals the unpruned
@@ -21,7 +21,7 @@ from layerwise_support import TOLERANCE, engine_steps, reference_steps, selectio
 from test_layerwise import start
 from workers import break_layerwise, break_retention
 
-FAMILIES = ("llava", "qwen2_vl")
+FAMILIES = ("llava", "qwen2_vl", "llava_next", "qwen3_vl")  # the last two: tiny 4-layer checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,18 @@ def kept_per_layer(model, processor, items, keep: float) -> list[tuple[tuple[int
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def case(request, prompts):
+def case(request, prompts, tmp_path_factory):
+    from tiny_folders import BUILDERS
+
     from vtprune.vllm.export import model_folder
 
-    folder = model_folder(f"embedded:{request.param}")
+    family = request.param
+    folder = (model_folder(f"embedded:{family}") if family in ("llava", "qwen2_vl")
+              else str(BUILDERS[family](tmp_path_factory.mktemp(family), layers=4)))
     model, processor = reference.load_folder(folder)
     want = reference_steps(model, processor, prompts, "prefixkv", 0.25)
     layers = kept_per_layer(model, processor, prompts, 0.25)
-    llm = start(folder, request.param, "prefixkv")
+    llm = start(folder, family, "prefixkv")
     yield llm, model, processor, want, layers
     shutdown(llm)
 
