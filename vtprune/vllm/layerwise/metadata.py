@@ -27,6 +27,20 @@ def region_groups(runner: Any) -> dict[int, list[int]]:
     return out
 
 
+def step_batch(runner: Any) -> tuple[Any, list[int]] | None:
+    """``(input batch, [num_reqs + 1] query starts)`` of the step being run, or None for a dummy run (profiling, an
+    idle data-parallel rank: no attention metadata, and the batch may be stale) or an empty batch."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if runner is None or not is_forward_context_available() or not get_forward_context().attn_metadata:
+        return None
+    batch = runner.input_batch
+    count = batch.num_reqs if batch is not None else 0
+    if count == 0:
+        return None
+    return batch, runner.query_start_loc.cpu[:count + 1].tolist()
+
+
 def layer_group(runner: Any, layer_name: str) -> tuple[int, Any]:
     """``(KV cache group id, AttentionGroup)`` of the attention layer ``layer_name``."""
     for gid, groups in enumerate(runner.attn_groups):

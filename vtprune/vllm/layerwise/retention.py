@@ -36,7 +36,7 @@ from vtprune.scoring import received_attention_sum
 from vtprune.vllm import ranks
 from vtprune.vllm.layerwise import scoring
 from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, region_layout, slot_mapping
-from vtprune.vllm.layerwise.metadata import ForwardContextSwap, layer_group
+from vtprune.vllm.layerwise.metadata import ForwardContextSwap, layer_group, step_batch
 from vtprune.vllm.layerwise.requests import request_keep, visual_positions
 
 
@@ -98,17 +98,13 @@ class RetentionRuntime:
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
         self.steps, self.prefilling, self.decoding = None, [], False
-        if not is_forward_context_available() or not get_forward_context().attn_metadata:
-            return  # a dummy run (profiling, an idle data-parallel rank)
         runner = self.runner()
-        batch = runner.input_batch if runner is not None else None
-        count = batch.num_reqs if batch is not None else 0
-        if count == 0:
+        step = step_batch(runner)
+        if step is None:
             return
-        starts = runner.query_start_loc.cpu[:count + 1].tolist()
+        batch, starts = step
+        count = batch.num_reqs
         for gone in [rid for rid in self.records if rid not in runner.requests]:
             del self.records[gone]
         steps = []

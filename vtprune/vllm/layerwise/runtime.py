@@ -26,7 +26,7 @@ import torch
 
 from vtprune.vllm import ranks
 from vtprune.vllm.layerwise.layout import StepRequest, region_layout
-from vtprune.vllm.layerwise.metadata import ForwardContextSwap
+from vtprune.vllm.layerwise.metadata import ForwardContextSwap, step_batch
 from vtprune.vllm.layerwise.plan import LayerPlan
 from vtprune.vllm.layerwise.records import Chunk, RequestRecord, StepEntry
 from vtprune.vllm.layerwise.scoring import RequestView, VllmLayers, score_context, select
@@ -99,17 +99,13 @@ class LayerwiseRuntime:
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self, total: int) -> None:
         """Read the step's requests; install the pruned regions' metadata when one of them prunes."""
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-
         self.entries, self.total = None, total
-        if not is_forward_context_available() or not get_forward_context().attn_metadata:
-            return  # a dummy run (profiling, an idle data-parallel rank): no requests, and the batch may be stale
         runner = self.runner()
-        batch = runner.input_batch if runner is not None else None
-        count = batch.num_reqs if batch is not None else 0
-        if count == 0:
+        step = step_batch(runner)
+        if step is None:
             return
-        starts = runner.query_start_loc.cpu[:count + 1].tolist()
+        batch, starts = step
+        count = batch.num_reqs
         if starts[-1] > total:
             return
         live = set(runner.requests)
