@@ -36,6 +36,14 @@ from vtprune.eval.accuracy.long_items import (
     recall_metrics,
     token_frames,
 )
+from vtprune.eval.accuracy.long_resume import (
+    JOURNAL,
+    check_resume,
+    record_key,
+    record_options,
+    resumed_records,
+    run_options,
+)
 
 MAX_NEW_TOKENS = 4
 ROUTE = "images"
@@ -231,40 +239,27 @@ def run(args: argparse.Namespace) -> Path:
     for group in dict.fromkeys(i.group for i in items):
         check_context(model, runner, max((i for i in items if i.group == group), key=lambda i: len(i.frames)))
     pairs = plan(args.methods, args.keep)
-    journal = out / "records.jsonl"
+    journal = out / JOURNAL
     done = set()
     if args.resume and journal.exists():
-        done = resumed_items(journal)
+        check_resume(out, run_options(args))  # checked before loading too; the folder may have changed since
+        done = resumed_records(journal)
     elif journal.exists():
         journal.unlink()
+    record_options(out, run_options(args))
     evaluate_item(runner, items[0], pairs[:2], args)  # warm-up, discarded
     with journal.open("a") as f:
         for index, item in enumerate(tqdm(items, desc=f"bench_long {args.setting}", unit="q")):
-            if index in done:
+            left = [(m, k) for m, k in pairs if record_key(index, item.question, m, k) not in done]
+            if not left:
                 continue
-            for record in evaluate_item(runner, item, pairs, args):
-                f.write(json.dumps({"item": index, **record}) + "\n")
+            for record in evaluate_item(runner, item, left, args):
+                f.write(json.dumps({"item": index, "question": item.question, **record}) + "\n")
             f.flush()
     env = {**conditions(model, args), "batch_size": 1}
     meta = {"model": model_label(args.model), "setting": args.setting, "split": args.split, "route": ROUTE,
             "k": args.k if args.setting == "video" else "", "debias_file": args.debias_file or "", **env}
     return write_report(journal, out, meta)
-
-
-def resumed_items(journal: Path) -> set[int]:
-    """Questions already answered in ``journal`` (``--resume``); UserError naming the file and line if unreadable."""
-    from vtprune.errors import UserError
-
-    done = set()
-    for number, line in enumerate(journal.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            done.add(int(json.loads(line)["item"]))
-        except (ValueError, KeyError, TypeError) as error:
-            raise UserError(f"--resume: {journal} line {number} is not a bench_long record ({type(error).__name__}); "
-                            "delete that line (a run stopped mid-write) or start again without --resume.") from error
-    return done
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -310,8 +305,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     try:
         check_output_dir(args.out)
-        if not args.resume:
-            check_new_results(args.out, ("records.jsonl",), args.force, resume=True)
+        if args.resume and args.force:
+            raise ValueError("give --resume (continue the run in --out) or --force (start again over it), not both")
+        if args.resume:
+            check_resume(args.out, run_options(args))
+        else:
+            check_new_results(args.out, (JOURNAL,), args.force, resume=True)
         if args.debias_file is not None:
             check_debias_option(args.debias_file)
     except ValueError as error:
@@ -342,7 +341,11 @@ def int_list(low: int, high: int):
         items = [item.strip() for item in text.split(",") if item.strip()]
         if not items:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers such as '2,4', got {text!r}")
-        return [int_range(low, high)(item) for item in items]
+        from vtprune.cli.checks import refuse_repeats
+
+        values = [int_range(low, high)(item) for item in items]
+        refuse_repeats(values, items, text)
+        return values
 
     parse.__name__ = "integer list"
     return parse

@@ -229,14 +229,18 @@ def test_bench_long_arguments_are_one_line_before_loading(no_model, tmp_path, ca
 
 
 def test_bench_long_resume_names_a_broken_journal(tmp_path):
-    from vtprune.eval.accuracy.long import resumed_items
+    from vtprune.eval.accuracy.long_resume import resumed_records
 
     journal = tmp_path / "records.jsonl"
-    journal.write_text('{"item": 0, "method": "none"}\n\n{"item": 3}\n')
-    assert resumed_items(journal) == {0, 3}
-    journal.write_text('{"item": 0}\n{"item": 1, "meth')  # a run killed mid-write
+    journal.write_text('{"item": 0, "question": "q0", "method": "none", "keep": 1.0}\n\n'
+                       '{"item": 3, "question": "q3", "method": "fastv", "keep": 0.25}\n')
+    assert resumed_records(journal) == {(0, "q0", "none", 1.0), (3, "q3", "fastv", 0.25)}
+    journal.write_text('{"item": 0, "question": "q0", "method": "none", "keep": 1.0}\n{"item": 1, "meth')  # killed
     with pytest.raises(UserError, match=r"records.jsonl line 2 is not a bench_long record"):
-        resumed_items(journal)
+        resumed_records(journal)
+    journal.write_text('{"item": 0, "method": "none"}\n')  # no identity: not a record of this version
+    with pytest.raises(UserError, match=r"records.jsonl line 1 is not a bench_long record"):
+        resumed_records(journal)
 
 
 def test_run_reports_the_keep_of_a_kv_retention_method(cli):

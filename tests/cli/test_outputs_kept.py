@@ -106,11 +106,13 @@ def test_speed_report_merges_over_its_folder_only_when_forced_or_merged(work, cl
 def test_the_ways_out_are_accepted(work):
     """``--resume`` and ``--force`` pass the checks that refuse a plain rerun."""
     from vtprune.eval.accuracy.long import parse_args
+    from vtprune.eval.accuracy.long_resume import record_options, run_options
     from vtprune.eval.training.options import check_outputs
     from vtprune.eval.training.options import parse_args as train_args
 
     (work / "r").mkdir()
     (work / "r" / "records.jsonl").write_bytes(EARLIER)
+    record_options(work / "r", run_options(parse_args(["--out", str(work / "r"), "--force"])))  # its own run
     for extra in ("--resume", "--force"):
         assert parse_args(["--out", str(work / "r"), extra]).out == str(work / "r")
     (work / "w").mkdir()

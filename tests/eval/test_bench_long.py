@@ -191,3 +191,53 @@ def test_clips_past_the_context_are_one_line(tmp_path, capsys):
                  "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "at most 55 frames fit" in err, err
+
+
+def _records(folder) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (folder / "records.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_resume_continues_only_its_own_run_and_each_answer_once(tmp_path, capsys):
+    """A resumed run refuses other options and a records file it did not write; a run cut in the middle of a
+    question finishes it without repeating an answer (answers matched by question, method and keep)."""
+    from vtprune.eval.accuracy.long import main
+
+    run = ["--setting", "multi", "--model", "embedded:llava", "--images", "2", "--sets", "1", "--methods",
+           "none,fastv", "--keep", "0.25", "--out", str(tmp_path)]
+    assert main(run) == 0
+    capsys.readouterr()
+    full = _records(tmp_path)
+    assert len(full) == 3 * 2  # 3 questions x (none, fastv 0.25)
+    for other in (["--methods", "none,pdrop"], ["--keep", "0.5"], ["--sets", "2"], ["--images", "3"]):
+        with pytest.raises(SystemExit) as stop:
+            main([*run, *other, "--resume"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "other options" in err, err
+        assert other[0] in err, err
+    lines = (tmp_path / "records.jsonl").read_text().splitlines()
+    (tmp_path / "records.jsonl").write_text("\n".join(lines[:3]) + "\n")  # cut after the second question's `none`
+    assert main([*run, "--resume"]) == 0
+    capsys.readouterr()
+    resumed = _records(tmp_path)
+    key = lambda r: (r["item"], r["question"], r["method"], r["keep"])  # noqa: E731
+    assert sorted(map(key, resumed)) == sorted(map(key, full)) and resumed[:3] == full[:3]
+    (tmp_path / "run.json").unlink()  # records this command did not write (or from before run.json)
+    with pytest.raises(SystemExit) as stop:
+        main([*run, "--resume"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "run.json" in err and "--force" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--resume", "--force"], "not both"), (["--methods", "none,fastv,fastv"], "'fastv' is listed twice"),
+    (["--keep", "0.5,0.50"], "'0.5' and '0.50' are listed twice"), (["--images", "2,2"], "'2' is listed twice"),
+])
+def test_bench_long_refuses_contradicting_or_repeated_options(tmp_path, capsys, extra, words):
+    from vtprune.eval.accuracy.long import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--setting", "multi", "--out", str(tmp_path / "r"), *extra])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err

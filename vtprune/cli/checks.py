@@ -111,8 +111,7 @@ def keep_list(text: str) -> str:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated keep fractions such as '1,0.5,0.25', got {text!r}")
-    for item in items:
-        keep_fraction(item)
+    refuse_repeats([keep_fraction(item) for item in items], items, text)
     return ",".join(items)
 
 
@@ -121,7 +120,18 @@ def name_list(text: str) -> str:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"expected comma-separated names such as 'none,fastv', got {text!r}")
+    refuse_repeats(items, items, text)
     return ",".join(items)
+
+
+def refuse_repeats(values: list, items: list[str], text: str) -> None:
+    """argparse error for a list that names one value twice (it would run, and be reported, twice)."""
+    for index, value in enumerate(values):
+        if value in values[:index]:
+            first = items[values.index(value)]
+            same = f"{items[index]!r}" if items[index] == first else f"{first!r} and {items[index]!r}"
+            raise argparse.ArgumentTypeError(f"{same} {'is' if items[index] == first else 'are'} listed twice in "
+                                             f"{text!r}; give each value once")
 
 
 def known_methods(requested: list[str], flag: str = "--methods") -> list[str]:
