@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from vtprune.cli.checks import OneLineParser, int_range, number_range
+from vtprune.errors import UserError
 
 POSITIVE = number_range(0.0, above=True)
 WEIGHT = number_range(0.0)
@@ -100,7 +101,39 @@ def check_outputs(args: argparse.Namespace, workdir: Path, out: Path) -> None:
 
     check_output_dir(workdir, "--workdir")
     check_output_dir(out, "--out")
-    resumed = args.resume or args.resume_from is not None
-    if not resumed:
+    if args.resume and args.force:
+        raise UserError("give --resume (continue the checkpoint in --workdir) or --force (start again over it), "
+                        "not both.")
+    checkpoint = resumed_checkpoint(args, workdir)
+    if checkpoint is None:
         check_new_results(workdir, ("ckpt.pt",), args.force, "--workdir", resume=True)
         check_new_results(out, ("config.json", "*.safetensors"), args.force, "--out", resume=True)
+    else:
+        check_checkpoint(checkpoint, "--resume-from" if checkpoint == args.resume_from else "--resume")
+
+
+def resumed_checkpoint(args: argparse.Namespace, workdir: Path) -> Path | None:
+    """The checkpoint the run continues (``<workdir>/ckpt.pt`` first, then ``--resume-from``), None for a fresh run;
+    ``--resume`` with neither is refused, so a mistyped ``--workdir`` never starts again over ``--out``."""
+    if not (args.resume or args.resume_from is not None):
+        return None
+    if (workdir / "ckpt.pt").is_file():
+        return workdir / "ckpt.pt"
+    if args.resume_from is not None:
+        return args.resume_from
+    raise UserError(f"--resume: no checkpoint {workdir / 'ckpt.pt'} to continue; give the --workdir of the run to "
+                    "continue (or --resume-from FILE), or leave out --resume to start a fresh run.")
+
+
+def check_checkpoint(path: Path, flag: str) -> None:
+    """Refuse a checkpoint file that is not a whole ``torch.save`` archive (e.g. cut by a full disk or a kill)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (OSError, zipfile.BadZipFile) as error:
+        damaged = str(error)
+    if damaged is not None:
+        raise UserError(f"{flag}: {path} is not a complete checkpoint (truncated or damaged: {damaged}); resume from "
+                        "an intact one with --resume-from FILE, or start again with --force.")

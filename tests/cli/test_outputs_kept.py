@@ -105,6 +105,7 @@ def test_speed_report_merges_over_its_folder_only_when_forced_or_merged(work, cl
 
 def test_the_ways_out_are_accepted(work):
     """``--resume`` and ``--force`` pass the checks that refuse a plain rerun."""
+    import torch
     from vtprune.eval.accuracy.long import parse_args
     from vtprune.eval.accuracy.long_resume import record_options, run_options
     from vtprune.eval.training.options import check_outputs
@@ -116,7 +117,7 @@ def test_the_ways_out_are_accepted(work):
     for extra in ("--resume", "--force"):
         assert parse_args(["--out", str(work / "r"), extra]).out == str(work / "r")
     (work / "w").mkdir()
-    (work / "w" / "ckpt.pt").write_bytes(EARLIER)
+    torch.save({"step": 1}, work / "w" / "ckpt.pt")  # a whole checkpoint (a damaged one is refused)
     for extra in ("--resume", "--force"):
         check_outputs(train_args(["--steps", "1", extra]), work / "w", work / "w" / "export")
 
@@ -127,3 +128,34 @@ def test_long_debias_writes_over_its_out_with_force(work, cli):
     code, _, err = cli("bench", "long-debias", str(CALIBRATION), "--out", str(out), "--force")
     assert code == 0, err
     assert out.read_text().startswith("| model |")
+
+
+def test_train_resume_without_a_checkpoint_never_starts_again_over_out(work, cli):
+    """``--resume`` with no ckpt.pt in --workdir (a typo, or the default) is refused before any work, naming
+    where it looked; a fresh run still refuses the exported model in --out."""
+    model = work / "m" / "config.json"
+    model.parent.mkdir()
+    model.write_bytes(EARLIER)
+    code, _, err = cli("bench", "train", "--steps", "1", "--workdir", str(work / "typo"), "--out", str(work / "m"),
+                       "--resume")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(work / "typo" / "ckpt.pt") in err and "leave out --resume" in err and model.read_bytes() == EARLIER
+    code, _, err = cli("bench", "train", "--steps", "1", "--workdir", str(work / "w"), "--out", str(work / "m"))
+    assert code == 2 and "config.json" in err and model.read_bytes() == EARLIER
+
+
+def test_train_refuses_resume_with_force_and_a_truncated_checkpoint(work, cli):
+    import torch
+
+    (work / "w").mkdir()
+    whole = work / "whole.pt"
+    torch.save({"step": 3, "weights": torch.ones(4096)}, whole)
+    (work / "w" / "ckpt.pt").write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # cut mid-write
+    code, _, err = cli("bench", "train", "--steps", "1", "--workdir", str(work / "w"), "--resume", "--force")
+    assert code == 2 and "not both" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = cli("bench", "train", "--steps", "1", "--workdir", str(work / "w"), "--resume")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "ckpt.pt is not a complete checkpoint" in err and "--force" in err, err
+    from vtprune.eval.training.options import check_checkpoint
+
+    check_checkpoint(whole, "--resume-from")  # a whole one passes
