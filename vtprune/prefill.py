@@ -170,13 +170,38 @@ def select(wiring: Wiring, call: CallState, ctx: ScoreContext, view: StageView, 
     scores = _stage_scores(wiring.scorer, call, ctx, view)
     counts = [min(n, alive) for n, alive in zip(call.planned[ctx.stage_index], view.alive, strict=True)]
     counts_t = torch.minimum(call.stage_counts[ctx.stage_index].to(view.valid.device), view.alive_count)
-    selected = select_kept(scores.to(view.valid.device), view.visual, view.valid, counts_t,
-                           width=max(view.alive, default=0), k_max=max(counts, default=0))
+    selected = select_with_query(scores.to(view.valid.device), view.visual, view.valid, counts_t,
+                                 width=max(view.alive, default=0), k_max=max(counts, default=0))
     kept, hidden, merged = _merge(wiring, ctx, selected, scores, hidden, view)
+    if kept is not selected:  # a merge step that demoted the query token gets it back (on top of its count)
+        kept = kept | (query_slots(view.valid) & view.visual)
     alive, lengths, counts_t = _kept_lengths(call, view, kept, counts, counts_t, changed=kept is not selected)
     new = next_view(view, repad_known(kept, call.left_padding, lengths), lengths, alive, counts_t)
     _record(wiring, call, ctx, view, scores, kept, alive, merged, new)
     return kept, hidden, new
+
+
+def query_slots(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` bool: each sample's last valid slot (of ``valid`` ``[B, L]``, left or right padded), its query
+    token: the last prompt token, whose row gives the next-token logit."""
+    seen = valid.long().cumsum(dim=1)
+    return valid & (seen == seen[:, -1:])
+
+
+def select_with_query(scores: torch.Tensor, visual: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
+                      width: int | None = None, k_max: int | None = None) -> torch.Tensor:
+    """:func:`vtprune.layout.select_kept` that never prunes a sample's query token (its last valid slot).
+
+    A prompt that ends on a visual token (an image-only caption prompt such as ``"USER: <image>"``) would otherwise
+    lose the row its next token is read from. The query counts inside the sample's budget: a visual query is kept
+    and the top ``counts[b] - 1`` of the other alive visual slots join it, so kept lengths stay the plan's.
+    scores ``[B, L]``, visual / valid ``[B, L]`` bool, counts ``[B]`` long (at least 1 where a sample has visual
+    tokens); returns the kept mask ``[B, L]``. The one place both the transformers engine and the vLLM plugin
+    select through.
+    """
+    query = query_slots(valid) & visual
+    others = (counts.to(valid.device) - query.sum(dim=1)).clamp(min=0)
+    return select_kept(scores, visual & ~query, valid, others, width=width, k_max=k_max)
 
 
 def _stage_scores(scorer: Scorer, call: CallState, ctx: ScoreContext, view: StageView) -> torch.Tensor:

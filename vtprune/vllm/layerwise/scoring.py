@@ -6,7 +6,8 @@ rotary embedding, as the transformers adapter does from ``q_proj`` / ``k_proj`` 
 of all ranks are gathered, so every rank scores with every head and keeps the same tokens); ``decoder_layers`` and
 ``language_model.norm`` are vLLM's modules. :func:`score_context` builds the request's
 :class:`vtprune.scoring.ScoreContext` and :func:`select` keeps the top tokens with vtprune's
-:func:`vtprune.layout.select_kept`: the scorer, the counts and the selection are the transformers path's own.
+:func:`vtprune.prefill.select_with_query` (:func:`vtprune.layout.select_kept`, the prompt's last token always kept):
+the scorer, the counts and the selection are the transformers path's own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from vtprune.adapters.base import VisualSegment
 from vtprune.config import Stage, keep_count
-from vtprune.layout import select_kept
+from vtprune.prefill import select_with_query
 from vtprune.scoring import ScoreContext
 
 
@@ -116,12 +117,14 @@ def score_context(layers: VllmLayers, view: RequestView, hidden: torch.Tensor, p
 
 
 def select(scores: torch.Tensor, view: RequestView, kept: int) -> torch.Tensor:
-    """Row indices ``[m']`` the stage keeps (every text row, the top ``kept`` alive visual rows; in order)."""
+    """Row indices ``[m']`` the stage keeps (every text row, the top ``kept`` alive visual rows; in order). The
+    prompt's last row, its query token, is always kept (inside ``kept``; :func:`vtprune.prefill.select_with_query`,
+    the transformers engine's own rule): a prompt that ends on an image keeps the row its next token is read from."""
     alive = int(view.visual.sum())
     count = min(kept, alive)
     valid = torch.ones(1, view.index.numel(), dtype=torch.bool)
-    mask = select_kept(scores.float().cpu(), view.visual[None], valid, torch.tensor([count]), width=alive,
-                       k_max=count)
+    mask = select_with_query(scores.float().cpu(), view.visual[None], valid, torch.tensor([count]), width=alive,
+                             k_max=count)
     return mask[0].nonzero().flatten()
 
 
