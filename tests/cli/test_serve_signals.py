@@ -18,7 +18,14 @@ import pytest
 
 from vtprune.vllm.serve import run_server
 
-FAKE = """\
+WORKER = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
+    "time.sleep(600)\n"
+)
+FAKE = f"WORKER = {WORKER!r}\n" + """\
 import os, signal, socket, sys, time
 port = int(sys.argv[sys.argv.index("--port") + 1])
 server = socket.socket()
@@ -33,6 +40,11 @@ def stop(signum, frame):
 handler = signal.SIG_IGN if os.environ.get("FAKE_IGNORE") else stop
 signal.signal(signal.SIGTERM, handler)
 signal.signal(signal.SIGINT, handler)
+if os.environ.get("FAKE_WORKER"):  # like vLLM's EngineCore: a process of its own that outlives a SIGTERM
+    import subprocess
+    subprocess.Popen([sys.executable, "-c", WORKER, marker + ".worker"])
+    while not os.path.exists(marker + ".worker") or not open(marker + ".worker").read():
+        time.sleep(0.05)
 open(marker + ".ready", "w").write(str(os.getpid()))
 while True:
     time.sleep(0.05)
@@ -141,3 +153,31 @@ def test_killing_vtprune_serve_frees_the_port(fake, tmp_path):
             serve.kill()
     assert serve.returncode == 128 + signal.SIGTERM, err
     assert marker.read_text() == f"signal {int(signal.SIGTERM)}" and _gone(pid) and _port_is_free(port), err
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for its reaper (it holds no memory and no port)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return _gone(pid)
+    return state in ("Z", "X")
+
+
+def test_the_servers_engine_processes_are_killed_with_it(fake, tmp_path):
+    """A server that outlives the grace is killed with its whole process group: a worker it started that
+    ignores SIGTERM (as vLLM's EngineCore did during start-up) is gone too."""
+    port, marker = _free_port(), tmp_path / "marker"
+    _signal_self_when_ready(marker, signal.SIGTERM)
+    env = {**os.environ, "FAKE_MARKER": str(marker), "FAKE_IGNORE": "1", "FAKE_WORKER": "1"}
+    worker = None
+    try:
+        code = run_server([str(fake), "--port", str(port)], env, grace_s=0.5)
+        worker = int(Path(f"{marker}.worker").read_text())
+        deadline = time.monotonic() + 30  # SIGKILL is delivered at once; this only bounds a broken test
+        while not _dead(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert code == 128 + signal.SIGTERM and _dead(worker) and _port_is_free(port)
+    finally:
+        if worker is not None and not _dead(worker):
+            os.kill(worker, signal.SIGKILL)  # the one process this test started and left behind

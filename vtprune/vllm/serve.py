@@ -7,7 +7,8 @@ or the venv ``scripts/setup_vllm.sh`` makes. Options it does not know go to vLLM
 
 The port is checked (a TCP port, free on ``--host``) before vLLM starts. The server runs as a child in its own
 process group: SIGTERM / SIGINT (Ctrl-C) to ``vtprune serve`` are forwarded to it and ``vtprune serve`` waits
-until it has exited (``SIGKILL`` after :data:`GRACE_S` seconds), so stopping ``vtprune serve`` frees the port;
+until it has exited (``SIGKILL`` to its whole process group, vLLM's EngineCore and workers included, after
+:data:`GRACE_S` seconds), so stopping ``vtprune serve`` frees the port and the engine's memory;
 on Linux the child is also terminated if ``vtprune serve`` dies without a chance to forward anything.
 """
 
@@ -206,16 +207,45 @@ def run_server(command: list[str], env: dict[str, str] | None = None, grace_s: f
                 child.wait(timeout=0.2)
             except subprocess.TimeoutExpired:
                 if received and time.monotonic() - received[0][1] > grace_s and child.poll() is None:
-                    print(f"vtprune: the server did not exit within {grace_s:g} s of the signal; killing it",
-                          file=sys.stderr, flush=True)
-                    child.kill()
+                    print(f"vtprune: the server did not exit within {grace_s:g} s of the signal; killing it and "
+                          "its engine processes", file=sys.stderr, flush=True)
+                    _kill_group(child.pid)
                     child.wait()
+        if received:  # the server is gone: what it started must not outlive the grace either
+            _end_group(child.pid, received[0][1] + grace_s)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if received:
         return 128 + received[0][0]
     return child.returncode if child.returncode >= 0 else 128 - child.returncode
+
+
+def _kill_group(group: int) -> None:
+    """SIGKILL every process of the server's process group (its id is the server's pid: ``start_new_session``),
+    vLLM's EngineCore and workers included, not the API server alone."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _end_group(group: int, deadline: float) -> None:
+    """Wait until ``deadline`` (``time.monotonic()``) for the rest of the server's process group to exit, then
+    kill what is left of it."""
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _group_alive(group):
+        _kill_group(group)
+
+
+def _group_alive(group: int) -> bool:
+    """Does any process of ``group`` still exist (zombies awaiting their reaper included)?"""
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _die_with_parent() -> None:
