@@ -5,6 +5,9 @@
   at a later stage (Qwen3-VL, whose DeepStack features forbid pruning before layer ``n``) they come from a
   pre-hook on the language model (:func:`lm_input_capture`), aligned by visual ordinal. The table is built
   once per call, so a later stage of the same call reuses the original embeddings.
+* :func:`instruction_embeddings` gives ``[B, Q, D]`` LM-input embeddings of each sample's own instruction tokens
+  (the text after its last visual token, :meth:`~vtprune.scoring.ScoreContext.instruction_queries`), for
+  text-conditioned selections (CDPruner, MMTok); read once per call, before any stage prunes.
 * :func:`group_ids` / :func:`group_quotas`: images (or frames) of a sample, as
   :func:`vtprune.methods.per_frame.frame_ids` defines them, and each one's share of the budget.
 * :func:`group_scores`: scores that make the engine keep each group's own top ``keep`` fraction by a
@@ -25,6 +28,7 @@ from vtprune.scoring import ScoreContext
 
 TABLE = "lm_input_table"
 CAPTURED = "lm_input_embeds"
+INSTRUCTION = "lm_instruction_embeds"
 
 
 def lm_input_capture(adapter: Any) -> Capture:
@@ -36,6 +40,29 @@ def _grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> N
     embeds = kwargs.get("inputs_embeds")
     if embeds is not None and CAPTURED not in state:
         state[CAPTURED] = embeds
+
+
+def instruction_embeddings(ctx: ScoreContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, Q, D], [B, Q] bool)``: the LM-input embedding of each sample's instruction tokens and their mask.
+
+    The instruction is the valid text after the sample's last visual token (the engine's instruction span); a
+    sample without one has an all-False row. Built at the call's first stage (nothing is pruned yet, so the
+    slots are the prompt's positions: at layer 0 ``ctx.hidden`` is the LM input, later the captured input of
+    :func:`lm_input_capture`, which must be read before :func:`embedding_table` consumes it) and kept for the call.
+    """
+    cached = ctx.state.get(INSTRUCTION)
+    if cached is not None:
+        return cached
+    index, mask = ctx.instruction_queries()
+    source = ctx.hidden if ctx.layer_index < 0 else ctx.state.get(CAPTURED)
+    if source is None:
+        raise RuntimeError(f"the stage at layer {ctx.stage.layer} found no language-model input embeddings "
+                           "for this call (the scorer must register lm_input_capture).")
+    index = index.to(source.device)
+    values = source.gather(1, index[..., None].expand(-1, -1, source.shape[-1]))
+    text = (ctx.valid & ~ctx.visual).to(source.device).gather(1, index)
+    cached = ctx.state[INSTRUCTION] = (values, mask.to(source.device) & text)
+    return cached
 
 
 def embedding_table(ctx: ScoreContext) -> torch.Tensor:
