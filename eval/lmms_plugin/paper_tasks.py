@@ -7,7 +7,9 @@ Each variant is a YAML that ``include``\\ s the installed lmms-eval task and cha
   (``scripts/v1_5/eval/textvqa.sh``) reads ``llava_textvqa_val_v051_ocr.jsonl``, whose prompt is the question, a
   ``Reference OCR token: a, b, ...`` line and the answer instruction; lmms-eval's ``textvqa_val`` leaves the
   OCR line out (``ocr: false``), which costs about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval#6
-  and #51). Scoring is lmms-eval's (the VQA soft accuracy, as LLaVA's ``eval_textvqa.py``).
+  and #51). lmms-eval's ``ocr: true`` writes the line even for an image without OCR tokens (an empty
+  ``Reference OCR token: ``); LLaVA's file has no such line there (two lines), so the variant's prompt is
+  :func:`textvqa_ocr_doc_to_text`. Scoring is lmms-eval's (the VQA soft accuracy, as LLaVA's ``eval_textvqa.py``).
 * ``vtprune_pope``: ``pope`` with one more metric, ``pope_f1_llava``: LLaVA's ``llava/eval/eval_pope.py`` keeps the
   answer's first sentence, drops commas and reads "no" when a word is ``No``, ``no`` or ``not`` (else "yes"),
   computes F1 on each split (adversarial, popular, random) and the papers report the mean of the three.
@@ -59,7 +61,8 @@ def write_paper_tasks(out: str | Path) -> Path:
     header = "# Written by vtprune (vtprune.eval.lmms_plugin.paper_tasks); rerun it rather than editing.\n"
     body = yaml.safe_dump({"include": str(textvqa), "task": TEXTVQA_OCR_TASK,
                            "lmms_eval_specific_kwargs": _textvqa_kwargs(textvqa)}, sort_keys=False)
-    (folder / f"{TEXTVQA_OCR_TASK}.yaml").write_text(header + body)
+    prompt = f"doc_to_text: !function {HERE}.textvqa_ocr_doc_to_text\n"
+    (folder / f"{TEXTVQA_OCR_TASK}.yaml").write_text(header + body + prompt)
     metrics = "".join(f"  - metric: {name}\n    aggregation: !function lmms_eval.tasks.pope.utils."
                       f"pope_aggregate_{name.removeprefix('pope_')}\n    higher_is_better: true\n"
                       for name in POPE_LMMS_METRICS)
@@ -70,10 +73,21 @@ def write_paper_tasks(out: str | Path) -> Path:
     return folder
 
 
+def textvqa_ocr_doc_to_text(doc: dict, lmms_eval_specific_kwargs: dict | None = None) -> str:
+    """LLaVA-1.5's TextVQA prompt (``llava_textvqa_val_v051_ocr.jsonl``): the question (first letter capitalised,
+    as lmms-eval and LLaVA's file write it), a ``Reference OCR token: a, b`` line only when the image has OCR
+    tokens, then the answer instruction: three lines, or two for an image without OCR tokens."""
+    kwargs = lmms_eval_specific_kwargs or {}
+    tokens = [str(token) for token in doc.get("ocr_tokens") or []]
+    ocr = f"\nReference OCR token: {', '.join(tokens)}" if tokens and kwargs.get("ocr", True) else ""
+    return f"{kwargs.get('pre_prompt', '')}{doc['question'].capitalize()}{ocr}{kwargs.get('post_prompt', '')}"
+
+
 # -- POPE as LLaVA scores it ---------------------------------------------------------------------------------
 def llava_yes_no(answer: str) -> str:
-    """``"no"`` if the answer's first sentence (commas removed) has the word ``No``, ``no`` or ``not``, else
-    ``"yes"`` (LLaVA's ``eval_pope.py``; "Not really." -> no, "There is a dog." -> yes, "Nope" -> yes)."""
+    """``"no"`` if the answer's first sentence (commas removed, split on spaces) has the word ``No``, ``no`` or
+    ``not`` (exactly, case-sensitive), else ``"yes"`` (LLaVA's ``eval_pope.py``): "No, there is none." -> no,
+    "There is not." -> no, "Not really." -> yes ("Not" is not one of the words), "Nope" -> yes, "no." -> no."""
     words = answer.split(".")[0].replace(",", "").split(" ")
     return "no" if {"No", "no", "not"} & set(words) else "yes"
 

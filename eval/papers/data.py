@@ -42,7 +42,12 @@ BENCHMARKS = {
 }
 # A paper's relative score: the mean over these benchmarks of pruned / unpruned (same model), in percent.
 RELATIVE = {"REL5": ("GQA", "MMB", "MME", "POPE", "TextVQA")}
-OPTION_KEYS = ("layer", "budget")
+# A row's options: RUN_OPTIONS change the run (two rows differing there are two runs), SCORING_OPTIONS only which
+# number of a run stands beside the row (``ocr``: TextVQA with or without LLaVA's reference OCR tokens;
+# ``pope``: how the paper scored POPE, ``per-split`` as LLaVA's eval_pope.py or ``pooled`` as lmms-eval).
+RUN_OPTIONS = {"layer": None, "budget": ("average",)}
+SCORING_OPTIONS = {"ocr": ("yes", "no"), "pope": ("per-split", "pooled")}
+OPTION_KEYS = (*RUN_OPTIONS, *SCORING_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,8 @@ class Model:
     """A checkpoint, its lmms-eval model, its model arguments, its geometry and its stand-in of the dry run.
 
     ``protocol``: model arguments that reproduce the papers' preprocessing (also applied in the dry run);
-    ``tasks``: benchmark -> lmms-eval task where this model's papers used another task variant;
+    ``tasks``: benchmark -> lmms-eval task where this model's papers used another task variant by default (a
+    row's ``ocr=`` option overrides TextVQA's);
     ``visual_tokens`` / ``layers``: visual tokens per image and decoder layers (PyramidDrop average budgets).
     """
 
@@ -67,8 +73,9 @@ class Model:
 MODELS = {
     "llava-1.5-7b": Model("llava-hf/llava-1.5-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
                           "embedded:llava", protocol="image_aspect_ratio=pad"),
+    # LLaVA-NeXT's published TextVQA (64.9) is without the OCR tokens (haotian-liu/LLaVA#1326: 61.35 with them)
     "llava-next-7b": Model("llava-hf/llava-v1.6-vicuna-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
-                           "tiny:llava_next", visual_tokens=2880),
+                           "tiny:llava_next", tasks=(("TextVQA", "textvqa_val"),), visual_tokens=2880),
     "qwen2.5-vl-7b": Model("Qwen/Qwen2.5-VL-7B-Instruct", "vtprune_qwen_vl",
                            "dtype=bfloat16,attn_implementation=sdpa,min_pixels=200704,max_pixels=1605632",
                            "embedded:qwen2_vl", tasks=(("TextVQA", "textvqa_val"),), layers=28),
@@ -81,7 +88,9 @@ class PaperRow:
 
     ``options``: how the paper ran the method beyond ``keep``, ``;``-separated: ``layer=K`` (the pruning layer)
     or ``budget=average`` (``keep`` is the visual tokens per decoder layer averaged over the layers, as
-    PyramidDrop's re-runs count them, not the last stage's share).
+    PyramidDrop's re-runs count them, not the last stage's share); and how it scored: ``ocr=yes`` / ``ocr=no``
+    (TextVQA with or without the reference OCR tokens; default: the model's), ``pope=per-split`` /
+    ``pope=pooled`` (LLaVA's POPE F1 or lmms-eval's; default: per-split).
     """
 
     paper: str
@@ -112,27 +121,38 @@ class Setting:
         return f"{self.model}/{self.method}-{self.keep:g}{suffix}"
 
 
+def setting_options(options: str) -> str:
+    """The part of a row's ``options`` that changes its run (``"layer=2;ocr=yes"`` -> ``"layer=2"``)."""
+    return ";".join(part for part in options.split(";") if part and part.split("=", 1)[0] in RUN_OPTIONS)
+
+
 def row_setting(row: PaperRow) -> Setting | None:
-    """The run that measures ``row`` (None: the row is not run)."""
-    return None if row.keep is None else Setting(row.model, row.method, row.keep, row.options)
+    """The run that measures ``row`` (None: the row is not run); scoring options do not change the run."""
+    return None if row.keep is None else Setting(row.model, row.method, row.keep, setting_options(row.options))
 
 
-def benchmark_task(name: str, model: str, mmbench: str = "judge") -> str:
-    """The lmms-eval task of benchmark ``name`` for ``model`` (``mmbench``: ``judge`` or ``static`` scoring)."""
+def benchmark_task(name: str, model: str, mmbench: str = "judge", options: str = "") -> str:
+    """The lmms-eval task of benchmark ``name`` for ``model`` (``mmbench``: ``judge`` or ``static`` scoring;
+    ``options``: the row's, whose ``ocr=yes`` / ``ocr=no`` picks TextVQA with or without the OCR tokens)."""
     if name == "MMB":
         return MMBENCH_TASKS[mmbench]
+    ocr = parse_options(options).get("ocr")
+    if name == "TextVQA" and ocr is not None:
+        return TEXTVQA_OCR_TASK if ocr == "yes" else "textvqa_val"
     return dict(MODELS[model].tasks).get(name, BENCHMARKS[name].task)
 
 
 def parse_options(text: str) -> dict[str, str]:
-    """A row's options, ``"layer=3;budget=average"`` -> ``{"layer": "3", "budget": "average"}``; ``ValueError``
-    for anything else (the keys are :data:`OPTION_KEYS`; ``layer`` an integer, ``budget`` only ``average``)."""
+    """A row's options, ``"layer=3;ocr=no"`` -> ``{"layer": "3", "ocr": "no"}``; ``ValueError`` for anything else
+    (the keys are :data:`OPTION_KEYS`: ``layer`` an integer, the others one of their values)."""
     pairs = [part.split("=", 1) for part in text.split(";") if part]
+    valid = {**RUN_OPTIONS, **SCORING_OPTIONS}
     for pair in pairs:
         key, value = (pair + [""])[:2]
-        if len(pair) != 2 or key not in OPTION_KEYS or (key == "budget" and value != "average") or (
-                key == "layer" and not value.isdigit()):
-            raise ValueError(f"options {text!r}: use layer=K (an integer) and/or budget=average, separated by ';'.")
+        if len(pair) != 2 or key not in valid or (valid[key] is None and not value.isdigit()) or (
+                valid[key] is not None and value not in valid[key]):
+            raise ValueError(f"options {text!r}: use layer=K (an integer), budget=average, ocr=yes|no, "
+                             "pope=per-split|pooled, separated by ';'.")
     return dict(pairs)
 
 
@@ -154,10 +174,11 @@ def load_papers(path: Path = PAPERS_CSV) -> list[PaperRow]:
 
 
 def metric(results: dict[str, Any], benchmark: str, dry_run: bool, model: str | None = None,
-           mmbench: str = "judge", lmms_way: bool = False) -> float | None:
+           mmbench: str = "judge", lmms_way: bool = False, options: str = "") -> float | None:
     """A benchmark's number from a results file, on the papers' scale (the dry run: ``vtprune_shapes`` x 100).
 
-    ``lmms_way``: lmms-eval's own metric where the papers score differently (None where they do not).
+    ``lmms_way``: lmms-eval's own metric where the papers score differently (None where they do not);
+    ``options``: the row's (its ``ocr=`` picks the TextVQA task).
     """
     spec = BENCHMARKS[benchmark]
     metrics = spec.lmms_metrics if lmms_way else spec.metrics
@@ -166,7 +187,7 @@ def metric(results: dict[str, Any], benchmark: str, dry_run: bool, model: str | 
     if dry_run:
         task, metrics, scale = DRY_TASK, ("exact_match",), 100.0
     else:
-        task, scale = (benchmark_task(benchmark, model, mmbench) if model else spec.task), spec.scale
+        task, scale = (benchmark_task(benchmark, model, mmbench, options) if model else spec.task), spec.scale
     values = results.get("results", {}).get(task, {})
     found = [next((v for k, v in values.items() if k.split(",")[0] == name and isinstance(v, int | float)), None)
              for name in metrics]

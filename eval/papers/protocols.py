@@ -6,18 +6,27 @@
   (three drops at evenly spaced layers ``s, 2s, 3s``, each keeping ``lambda`` of the previous stage) with the
   spacing whose ``lambda`` is closest to the paper's 0.5 and ``lambda`` solved so that the mean visual tokens per
   layer equals the budget (within one token per layer after rounding).
+  Where that spacing puts the first drop in the first eighth of the decoder (the 128 and 64-token rows: layers
+  2 and 1 of 32), the schedule drops about half the tokens where PyramidDrop keeps all of them (its first drop is
+  at a quarter of the depth; its stage ablation finds 3 to 5 stages safe and warns that 32 stages, a drop right
+  after layer 1, discards critical information), so those rows are labelled unable to test vtprune's ``pdrop``.
 * **FastV** rows name their layer (``layer=K``); **VisionZip** runs the exact vision-tower map (``queries=all``).
+* **Scoring per row**: ``ocr=yes|no`` picks TextVQA with or without LLaVA's reference OCR tokens (the LLaVA-NeXT
+  rows differ), ``pope=pooled`` marks a POPE number scored by lmms-eval (its like-for-like counterpart is the
+  table's *lmms-eval's way* column).
 * The model's ``protocol`` (LLaVA-1.5: ``image_aspect_ratio=pad``) comes from :data:`~vtprune.eval.papers.data.MODELS`.
 """
 
 from __future__ import annotations
 
-from vtprune.eval.papers.data import MODELS, PaperRow, Setting, parse_options
+from vtprune.eval.lmms_plugin.paper_tasks import TEXTVQA_OCR_TASK
+from vtprune.eval.papers.data import MODELS, PaperRow, Setting, benchmark_task, parse_options, row_setting
 
 from vtprune.config import Stage, keep_count
 
 PDROP_LAMBDA = 0.5  # PyramidDrop's ratio between stages (layers 8/16/24 keeping 0.5/0.25/0.125 on LLaVA-1.5-7B)
 TEXTVQA_OCR_GAP = "about 12 points on LLaVA-1.5 (EvolvingLMMs-Lab/lmms-eval#6 and #51)"
+EARLY_FRACTION = 8  # a first drop before layers / 8 is against PyramidDrop's stage design (see the module docstring)
 
 
 def average_visual_tokens(stages: tuple[Stage, ...], visual_tokens: int, layers: int) -> float:
@@ -90,6 +99,40 @@ def method_args(setting: Setting, dry_run: bool) -> tuple[str, str]:
     return ",".join(parts), changed
 
 
+def early_average_schedule(setting: Setting) -> bool:
+    """Does ``setting`` run an average-budget PyramidDrop schedule whose first drop comes before ``layers / 8``
+    (layers 2 and 1 of 32 at 128 and 64 tokens), against PyramidDrop's stage design?"""
+    if parse_options(setting.options).get("budget") != "average":
+        return False
+    model = MODELS[setting.model]
+    stages = pdrop_average_schedule(setting.keep, model.visual_tokens, model.layers)
+    return stages[0].layer < model.layers / EARLY_FRACTION
+
+
+def _textvqa_note(row: PaperRow) -> str:
+    """Which TextVQA prompt the row's number is compared with."""
+    if row.model == "qwen2.5-vl-7b":
+        return ("TextVQA without OCR tokens (lmms-eval's textvqa_val); whether the paper's Qwen2.5-VL run gave them "
+                f"is not stated here; they are worth {TEXTVQA_OCR_GAP}")
+    if benchmark_task("TextVQA", row.model, options=row.options) == TEXTVQA_OCR_TASK:
+        return "TextVQA with the reference OCR tokens, as the row's paper ran it (LLaVA's prompt)"
+    return "TextVQA without OCR tokens, as the row's paper ran it (lmms-eval's textvqa_val)"
+
+
+def _pope_note(row: PaperRow) -> str:
+    """Which POPE scoring is like for like with the row's number."""
+    pooled = parse_options(row.options).get("pope") == "pooled"
+    if row.benchmark == "REL5":
+        return ("the paper's POPE (inside REL5) is lmms-eval's pooled F1; the relative score here uses the per-split "
+                "F1 (size not measured)") if pooled else ""
+    if pooled:
+        return ("POPE: the paper's number comes from an lmms-eval run (F1 pooled over the splits): the like-for-like "
+                "number is the lmms-eval's way column, not measured")
+    if row.model == "qwen2.5-vl-7b":
+        return "POPE: the paper's scoring is not stated; measured is LLaVA's per-split F1 (lmms-eval's way beside it)"
+    return "POPE: the paper's F1 per split (LLaVA's eval_pope.py): measured is like for like"
+
+
 def protocol_note(row: PaperRow, mmbench: str) -> str:
     """The known protocol differences of ``row``'s measured number, each with its size ("" where none is known)."""
     notes: list[str] = []
@@ -98,11 +141,10 @@ def protocol_note(row: PaperRow, mmbench: str) -> str:
     if row.model.startswith("llava"):
         notes.append("llava-hf conversion through lmms-eval's prompts, batched, instead of the original LLaVA code "
                      "(size not measured: compare the unpruned rows)")
-    if row.benchmark in ("TextVQA", "REL5") and row.model == "qwen2.5-vl-7b":
-        notes.append("TextVQA without OCR tokens (lmms-eval's textvqa_val); whether the paper's Qwen2.5-VL run "
-                     f"gave them is not stated here; they are worth {TEXTVQA_OCR_GAP}")
-    elif row.benchmark == "TextVQA":
-        notes.append("OCR tokens as LLaVA's prompt; lmms-eval capitalises the question (size not measured)")
+    if row.benchmark in ("TextVQA", "REL5"):
+        notes.append(_textvqa_note(row))
+    if row.benchmark in ("POPE", "REL5"):
+        notes.append(_pope_note(row))
     if row.benchmark in ("MMB", "REL5"):
         notes.append("MMBench scored by lmms-eval's regex rule, no GPT judge (unmatched answers count as wrong; "
                      "size not measured)" if mmbench == "static" else
@@ -111,13 +153,17 @@ def protocol_note(row: PaperRow, mmbench: str) -> str:
     if "budget=average" in row.options:
         notes.append("average-budget schedule chosen by vtprune (the re-running papers publish no layer lists; "
                      "size unknown); the published re-runs disagree by up to 25 points, so the reference numbers are unstable")
+        if early_average_schedule(row_setting(row)):
+            notes.append("cannot test vtprune's pdrop: this average budget needs a first drop of about half the tokens "
+                         "before layer 4 of 32, where PyramidDrop's design keeps them all (its stage ablation: 3 to 5 "
+                         "stages; 32 stages discard critical information)")
     if row.method == "visionzip" and row.model.startswith("llava"):
         notes.append("VisionZip: CLS not among the dominant tokens and contextual tokens merged after the projector "
                      "(docs/methods.md; size not measured)")
     if row.paper.startswith("FastV") and "README" in row.source:
         notes.append("FastV's README ran lmms-eval's own LLaVA wrapper on the original weights; vtprune runs the "
                      "llava-hf conversion (size: compare the unpruned README rows)")
-    if row.model == "qwen2.5-vl-7b":
+    if row.model == "qwen2.5-vl-7b" and "MMTok" not in row.source:
         notes.append("image resolution bounds of the paper's Qwen2.5-VL runs not stated here; vtprune uses "
                      "min_pixels=200704, max_pixels=1605632 (size unknown)")
-    return "; ".join(notes)
+    return "; ".join(filter(None, notes))

@@ -64,7 +64,7 @@ def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[st
         if setting is None or (models and row.model not in models) or (methods and row.method not in methods + ["none"]):
             continue
         names = RELATIVE.get(row.benchmark, (row.benchmark,))
-        runs.setdefault(setting, set()).update(benchmark_task(b, row.model, mmbench) for b in names)
+        runs.setdefault(setting, set()).update(benchmark_task(b, row.model, mmbench, row.options) for b in names)
     for model in {s.model for s in runs}:
         everything = set().union(*(tasks for s, tasks in runs.items() if s.model == model))
         runs.setdefault(Setting(model, "none", 1.0), set()).update(everything)

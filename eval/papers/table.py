@@ -28,14 +28,14 @@ def measured(row: PaperRow, runs: dict[Setting, dict[str, Any]], dry_run: bool, 
     if run is None:
         return None
     if row.benchmark not in RELATIVE:
-        return metric(run["results"], row.benchmark, dry_run, row.model, mmbench, lmms_way)
+        return metric(run["results"], row.benchmark, dry_run, row.model, mmbench, lmms_way, row.options)
     base = runs.get(Setting(row.model, "none", 1.0))
     if base is None or lmms_way:
         return None
     ratios = []
     for name in RELATIVE[row.benchmark]:
-        pruned = metric(run["results"], name, dry_run, row.model, mmbench)
-        full = metric(base["results"], name, dry_run, row.model, mmbench)
+        pruned = metric(run["results"], name, dry_run, row.model, mmbench, options=row.options)
+        full = metric(base["results"], name, dry_run, row.model, mmbench, options=row.options)
         if pruned is None or not full:
             return None
         ratios.append(pruned / full)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from vtprune.eval.papers import reproduce
-from vtprune.eval.papers.data import MODELS, benchmark_task
+from vtprune.eval.papers.data import MODELS, benchmark_task, parse_options
+from vtprune.eval.papers.protocols import protocol_note
 from vtprune.eval.papers.reproduce import RELATIVE, PaperRow, Setting, load_papers
 from vtprune.eval.papers.table import measured
 
@@ -64,15 +65,15 @@ def test_plan_runs_each_setting_once_plus_the_unpruned_reference() -> None:
 
 
 def test_each_run_follows_the_papers_protocol() -> None:
-    """LLaVA rows: TextVQA with OCR tokens, POPE scored both ways, pad to square (LLaVA-1.5 only); FastV's layer;
-    VisionZip's exact map; MMBench judge or static as asked."""
+    """LLaVA-1.5 rows: TextVQA with OCR tokens, POPE scored both ways, pad to square (LLaVA-1.5 only); FastV's layer;
+    VisionZip's exact map; MMBench judge or static as asked. LLaVA-NeXT: each row's own TextVQA prompt."""
     runs = reproduce.plan(load_papers(), mmbench="static")
     for setting, tasks in runs.items():
         args = reproduce.model_args(setting, False, 8)
         assert ("image_aspect_ratio=pad" in args) == (setting.model == LLAVA), args
         assert ("queries=all" in args) == (setting.method == "visionzip")
         assert "mmbench_en_dev" not in tasks  # static scoring asked: mmbench_en_dev_static
-        if setting.model.startswith("llava"):
+        if setting.model == LLAVA:
             assert "textvqa_val" not in tasks and ("vtprune_textvqa_val_ocr" in tasks or "mmmu_val" in tasks)
     assert "layer=3" in reproduce.model_args(Setting(LLAVA, "fastv", 0.5, "layer=3"), False, 8)
     assert "textvqa_val" in runs[Setting("qwen2.5-vl-7b", "none", 1.0)]  # its papers' protocol is not LLaVA's
@@ -179,6 +180,66 @@ def test_dry_run_writes_the_table_with_the_papers_columns(tmp_path: Path, monkey
     assert stored["throughput"]["avg_vtprune_kept_fraction"] == 0.5 and "vtprune_shapes" in stored["results"]
 
 
+def test_llava_next_textvqa_rows_compare_with_their_own_prompt() -> None:
+    """LLaVA-NeXT's 64.9 (DART's reference) is the score without OCR tokens, TransPrune's 61.3 the one with them
+    (haotian-liu/LLaVA#1326: 61.35 with the OCR file): each row reads its own task of the same unpruned run."""
+    rows = [r for r in load_papers() if r.model == "llava-next-7b" and r.benchmark == "TextVQA" and r.value]
+    by_source = {("TransPrune" in r.source, r.method): r for r in rows}
+    dart_full, transprune_full = by_source[(False, "none")], by_source[(True, "none")]
+    assert (dart_full.value, transprune_full.value) == (64.9, 61.3)
+    runs = reproduce.plan(load_papers())
+    full = Setting("llava-next-7b", "none", 1.0)
+    assert {"textvqa_val", "vtprune_textvqa_val_ocr"} <= set(runs[full])
+    assert "vtprune_textvqa_val_ocr" not in runs[Setting("llava-next-7b", "dart", 0.111111)]
+    assert "textvqa_val" not in runs[Setting("llava-next-7b", "transprune", 0.125)]
+    file = {"results": {"textvqa_val": {"exact_match,none": 0.64}, "vtprune_textvqa_val_ocr": {"exact_match,none": 0.61}}}
+    done = {full: {"results": file}}
+    assert measured(dart_full, done, False) == pytest.approx(64.0)  # no OCR tokens, as 64.9
+    assert measured(transprune_full, done, False) == pytest.approx(61.0)  # OCR tokens, as 61.3
+    assert "with the reference OCR tokens" in protocol_note(transprune_full, "judge")
+    assert "without OCR tokens" in protocol_note(dart_full, "judge")
+
+
+def test_transprune_llava_next_rows_have_their_own_unpruned_row() -> None:
+    """TransPrune's Table 2 upper bound sits beside its LLaVA-NeXT rows (one per benchmark it reports)."""
+    rows = load_papers()
+    own = {r.benchmark: r.value for r in rows if r.model == "llava-next-7b" and r.method == "none"
+           and r.source.startswith("TransPrune")}
+    assert own == {"GQA": 64.3, "MMB": 67.9, "MME-P": 1520, "POPE": 86.5, "SQA-IMG": 70.2, "TextVQA": 61.3}
+    pruned = {r.benchmark for r in rows if r.model == "llava-next-7b" and r.method == "transprune"}
+    assert pruned == set(own)
+
+
+def test_early_average_pdrop_schedules_are_labelled_unable_to_test_pdrop() -> None:
+    """At 128 and 64 tokens the average budget forces a first drop at layer 2 and 1 of 32 (PyramidDrop's own first
+    drop is at layer 8): those rows say they cannot test vtprune's pdrop; the 192-token row (layer 5) does not."""
+    rows = [r for r in load_papers() if r.options == "budget=average" and r.benchmark == "GQA"]
+    labelled = {r.tokens: "cannot test vtprune's pdrop" in protocol_note(r, "judge") for r in rows}
+    assert labelled == {"192": False, "128": True, "64": True}
+    own = next(r for r in load_papers() if r.method == "pdrop" and not r.options and r.benchmark == "SQA-IMG")
+    assert "66.8" in own.note  # PyramidDrop's Table 5 baseline SQA-IMG
+
+
+def test_pope_rows_say_which_scoring_is_like_for_like() -> None:
+    """Rows from lmms-eval runs (MMTok's, its DivPrune re-run) are marked pooled; LLaVA-script rows per split."""
+    pope = [r for r in load_papers() if r.benchmark == "POPE" and r.keep is not None]
+    for row in pope:
+        pooled = row.source.startswith("MMTok")  # MMTok's own lmms-eval runs, not what it transcribed
+        assert ("pope=pooled" in row.options) == pooled, row
+        note = protocol_note(row, "judge")
+        assert ("like-for-like number is the lmms-eval's way column" in note) == pooled, note
+        if row.model == LLAVA and not pooled:
+            assert "measured is like for like" in note
+    with pytest.raises(ValueError, match="pope=per-split"):
+        parse_options("pope=sum")
+
+
+def test_qwen_resolution_note_only_where_the_paper_does_not_state_it() -> None:
+    rows = [r for r in load_papers() if r.model == "qwen2.5-vl-7b" and r.keep is not None]
+    for row in rows:
+        assert ("resolution bounds" in protocol_note(row, "judge")) == ("MMTok" not in row.source), row
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the protocol switches, each against an independent computation
 # ---------------------------------------------------------------------------------------------------------
@@ -198,6 +259,8 @@ def test_textvqa_variant_prompts_with_the_reference_ocr_tokens(tmp_path: Path) -
     assert lines[0].lower() == doc["question"] and lines[2] == "Answer the question using a single word or phrase."
     assert "Reference OCR token" not in stock["doc_to_text"](doc, stock["lmms_eval_specific_kwargs"]["default"])
     assert ours["dataset_path"] == stock["dataset_path"] and ours["process_results"] is not None  # only the prompt
+    bare = ours["doc_to_text"]({**doc, "ocr_tokens": []}, ours["lmms_eval_specific_kwargs"]["default"])
+    assert bare.split("\n") == [lines[0], lines[2]]  # no OCR tokens: LLaVA's two lines, no empty OCR line
 
 
 def test_pope_f1_is_the_mean_of_the_per_split_f1_with_llavas_answer_mapping(tmp_path: Path) -> None:
