@@ -33,6 +33,8 @@ DEBIASABLE = ("fastv", "pdrop", "transprune")
 NOT_YET = {
     "per_frame": "it wraps another method; divprune and random already budget each frame in the plugin",
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
+    "cdpruner": "it selects with the prompt's instruction tokens, and vLLM's encoder runs per multimodal item "
+                "before the prompt's text embeddings are available to the plugin",
 }
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
