@@ -12,7 +12,14 @@ from vtprune.layout import select_kept
 from vtprune.vllm.layerwise import config as lw_config
 from vtprune.vllm.layerwise.layout import StepRequest, region_layout, slot_mapping
 from vtprune.vllm.layerwise.plan import make_layer_plan
-from vtprune.vllm.layerwise.requests import pruned_table, request_keep, visual_positions
+from vtprune.vllm.layerwise.records import RequestRecord
+from vtprune.vllm.layerwise.requests import (
+    carried_keep,
+    carry_keep,
+    pruned_table,
+    request_keep,
+    visual_positions,
+)
 from vtprune.vllm.layerwise.scoring import RequestView, merge_states, select
 
 
@@ -73,9 +80,35 @@ def test_request_reading_from_features():
                             mm_position=SimpleNamespace(offset=10, length=5,
                                                         is_embed=torch.tensor([1, 1, 0, 1, 1], dtype=torch.bool)))
     assert visual_positions([video, image]).tolist() == [3, 4, 5, 6, 10, 11, 13, 14]
-    assert request_keep([video, image], 0.25) == 0.5 and request_keep([video], 0.25) == 0.25
+    assert request_keep([video, image], 0.25) == 0.5 and request_keep([], 0.25) == 0.25
     plan = make_layer_plan("fastv", 0.25, 4)
     assert pruned_table(plan, [video, image], 0.25) == (0, 4) and pruned_table(plan, [], 0.25) == (0, 0)
+
+
+def test_the_keep_travels_with_the_request_when_vllm_strips_its_items():
+    """vLLM strips a prefix-cached item's data before the workers see it (LLaVA keeps none): the scheduler's keep,
+    carried in the request's sampling parameters, wins; a disagreement or an unknown keep is refused, never the
+    model's default guessed (it pruned a keep-1.0 request the scheduler had planned unpruned)."""
+    def image(keep_ppm):
+        data = None if keep_ppm is None else {"vtprune_keep_image": SimpleNamespace(data=torch.tensor(keep_ppm))}
+        return SimpleNamespace(modality="image", data=data,
+                               mm_position=SimpleNamespace(offset=3, length=8, is_embed=None))
+
+    request = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"other": 1}), mm_features=[image(1_000_000)])
+    shared = request.sampling_params.extra_args
+    carry_keep(request, request_keep(request.mm_features, 0.25))
+    assert request.sampling_params.extra_args == {"other": 1, "vtprune_keep_ppm": 1_000_000} and shared == {"other": 1}
+    carried = carried_keep(request.sampling_params)
+    plan = make_layer_plan("fastv", 0.25, 4)
+    stripped = [image(None)]
+    assert carried == 1.0 and pruned_table(plan, stripped, 0.25, carried) == (0, 0)  # unpruned, as scheduled
+    record = RequestRecord.create(plan, stripped, [0] * 12, 0.25, carried)
+    assert record.kept == (8,) and record.pruned == (0, 0)
+    with pytest.raises(RuntimeError, match="stripped"):
+        request_keep(stripped, 0.25)
+    with pytest.raises(RuntimeError, match="items carry keep 0.5 but its scheduler planned keep 1.0"):
+        request_keep([image(500_000)], 0.25, carried)
+    assert carried_keep(None) is None and carried_keep(SimpleNamespace(extra_args=None)) is None
 
 
 def test_select_keeps_text_and_the_transformers_paths_top_visual_rows():
@@ -85,6 +118,15 @@ def test_select_keeps_text_and_the_transformers_paths_top_visual_rows():
     mask = select_kept(scores, view.visual[None], torch.ones(1, 8, dtype=torch.bool), torch.tensor([2]))
     assert rows.tolist() == mask[0].nonzero().flatten().tolist() == [0, 2, 4, 6, 7]
     assert view.take(rows).ordinal.tolist() == [-1, 1, 3, -1, -1]
+
+
+def test_select_keeps_a_prompts_last_row_when_it_is_visual():
+    """A prompt ending on its image (``USER: <image>``): its last row, the one vLLM samples from, stays (inside the
+    kept count), as in the transformers path (``vtprune.prefill.select_with_query``)."""
+    view = RequestView.whole_prompt(6, torch.tensor([2, 3, 4, 5]))
+    scores = torch.tensor([[9.0, 9.0, 0.8, 0.6, 0.7, 0.1]])
+    rows = select(scores, view, 2)
+    assert rows.tolist() == [0, 1, 2, 5] and int(view.take(rows).visual.sum()) == 2
 
 
 def test_chunk_states_merge_along_tokens():

@@ -49,9 +49,12 @@ class RequestRecord:
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, plan: LayerPlan, features: list, prompt_ids: Any, default_keep: float) -> RequestRecord:
+    def create(cls, plan: LayerPlan, features: list, prompt_ids: Any, default_keep: float,
+               carried: float | None = None) -> RequestRecord:
+        """The record of a request with ``features``; ``carried``: the keep its scheduler planned
+        (:func:`vtprune.vllm.layerwise.requests.carried_keep`), which wins over stripped items."""
         visual = visual_positions(features)
-        keep = request_keep(features, default_keep)
+        keep = request_keep(features, default_keep, carried)
         kept = plan.kept_counts(int(visual.numel()), keep) if visual.numel() else tuple(0 for _ in plan.stages)
         pruned = (0, *(int(visual.numel()) - k for k in kept))
         ids = torch.as_tensor(list(prompt_ids) if prompt_ids is not None else [], dtype=torch.long)

@@ -29,6 +29,7 @@ from vtprune.vllm.layerwise.layout import StepRequest, region_layout
 from vtprune.vllm.layerwise.metadata import ForwardContextSwap, step_batch
 from vtprune.vllm.layerwise.plan import LayerPlan
 from vtprune.vllm.layerwise.records import Chunk, RequestRecord, StepEntry
+from vtprune.vllm.layerwise.requests import carried_keep
 from vtprune.vllm.layerwise.scoring import RequestView, VllmLayers, score_context, select
 
 
@@ -128,7 +129,8 @@ class LayerwiseRuntime:
 
     def _record(self, request_id: str, state: Any) -> RequestRecord | None:
         if request_id not in self.records:
-            record = RequestRecord.create(self.plan, state.mm_features, state.prompt_token_ids, self.keep)
+            record = RequestRecord.create(self.plan, state.mm_features, state.prompt_token_ids, self.keep,
+                                          carried_keep(getattr(state, "sampling_params", None)))
             self.records[request_id] = record if any(record.pruned) else None
         return self.records[request_id]
 

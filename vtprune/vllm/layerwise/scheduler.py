@@ -4,7 +4,9 @@ vLLM seam (``scheduler_cls``, "not public" in vLLM's words): :class:`PruningSche
 :class:`PruningSchedulerMixin`, which, for every request with visual tokens, computes the tokens each layer region
 misses from its placeholders and keep (:func:`vtprune.vllm.layerwise.requests.pruned_table`), hands that table to the
 pruned groups' KV managers (:class:`vtprune.vllm.layerwise.kv.PrunedManager`) and marks the request to skip prefix-cache
-reads: its pruned layers' KV depends on the question, and its prompt must be scored whole.
+reads: its pruned layers' KV depends on the question, and its prompt must be scored whole. It also writes the request's
+keep into the request's own sampling parameters (:func:`vtprune.vllm.layerwise.requests.carry_keep`): vLLM strips a
+prefix-cached item's data before the workers see it, and the workers must prune exactly as planned here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from vtprune.vllm.layerwise import kv
 from vtprune.vllm.layerwise.config import served_plan
-from vtprune.vllm.layerwise.requests import pruned_table
+from vtprune.vllm.layerwise.requests import carry_keep, pruned_table, request_keep
 from vtprune.vllm.settings import VllmPruning
 
 
@@ -36,7 +38,9 @@ class PruningSchedulerMixin:
 
     def add_request(self, request: Any) -> None:
         if request.request_id not in self.requests and request.mm_features:
-            table = pruned_table(self.vtprune_plan, request.mm_features, self.vtprune_keep)
+            keep = request_keep(request.mm_features, self.vtprune_keep)
+            carry_keep(request, keep)  # the workers may get the items stripped (prefix cache): the keep goes along
+            table = pruned_table(self.vtprune_plan, request.mm_features, self.vtprune_keep, keep)
             if any(table):
                 self.vtprune_pruned[request.request_id] = table
                 request.skip_reading_prefix_cache = True
