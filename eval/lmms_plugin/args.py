@@ -23,6 +23,9 @@ Keys read here (everything else is a method option, e.g. ``alpha=0.5``, checked 
 ``image_aspect_ratio``      ``original`` (default: the processor's resize and centre crop) or ``pad``: each
                             image padded to a square with the image processor's mean colour first, as
                             LLaVA-1.5's own evaluation does (``expand2square``); LLaVA-1.5 checkpoints only
+``image_backend``           ``default`` (transformers' choice: its torchvision image processor where
+                            torchvision is installed) or ``pil``: the PIL image processor, whose resize is
+                            the one the original LLaVA code ran (``vtprune bench reproduce`` asks for it)
 ``loglikelihood``           what ``loglikelihood`` returns: ``loss`` (default; the mean negative
                             log-likelihood per continuation token, lower is more likely, as lmms-eval's own
                             models return and its ``multiple_choice`` scoring expects: it takes the argmin)
@@ -38,9 +41,10 @@ from typing import Any
 LOAD_KEYS = ("pretrained", "attn_implementation", "dtype", "device")
 CONFIG_FIELDS = ("schedule", "layer", "positions", "debias", "seed")
 RUN_KEYS = ("batch_size", "max_batch_size", "max_pixels", "min_pixels", "threads", "loglikelihood",
-            "image_aspect_ratio")
+            "image_aspect_ratio", "image_backend")
 LOGLIKELIHOOD_KINDS = ("loss", "logprob")  # vtprune.eval.lmms_plugin.loglikelihood
 ASPECT_RATIOS = ("original", "pad")
+IMAGE_BACKENDS = ("default", "pil")
 
 
 @dataclass
@@ -58,6 +62,7 @@ class PluginArgs:
     threads: int | None = None
     loglikelihood: str = "loss"
     image_aspect_ratio: str = "original"
+    image_backend: str = "default"
 
     def describe(self) -> str:
         """One line for logs: method, keep and stages."""
@@ -101,6 +106,7 @@ def parse_model_args(kwargs: dict[str, Any]) -> PluginArgs:
         threads=_optional_int("threads", run.get("threads")),
         loglikelihood=_loglikelihood_kind(run.get("loglikelihood", "loss")),
         image_aspect_ratio=_aspect_ratio(run.get("image_aspect_ratio", "original")),
+        image_backend=_image_backend(run.get("image_backend", "default")),
     )
 
 
@@ -180,6 +186,13 @@ def _aspect_ratio(value: Any) -> str:
         raise ValueError(f"image_aspect_ratio={value!r}: use original (the processor's resize and centre crop, the "
                          "default) or pad (pad each image to a square with the processor's mean colour, as "
                          "LLaVA-1.5's own evaluation).")
+    return str(value)
+
+
+def _image_backend(value: Any) -> str:
+    if value not in IMAGE_BACKENDS:
+        raise ValueError(f"image_backend={value!r}: use default (transformers' choice) or pil (the PIL image "
+                         "processor, as the original LLaVA code resized).")
     return str(value)
 
 

@@ -82,6 +82,24 @@ def pad_to_square(processor: Any, images: list[Image.Image]) -> list[Image.Image
     return [expand2square(image, background) for image in images]
 
 
+def pil_image_processor(image_processor: Any) -> Any:
+    """The PIL-backend twin of ``image_processor`` with the same settings (itself if it is one already).
+
+    transformers 5 loads the torchvision image processor wherever torchvision is installed; its resize is not
+    PIL's, which the original LLaVA code (and the papers' numbers) used. ``ValueError`` when transformers has no
+    PIL twin of the class.
+    """
+    import transformers
+
+    name = type(image_processor).__name__
+    if name.endswith("Pil"):
+        return image_processor
+    twin = getattr(transformers, f"{name.removesuffix('Fast')}Pil", None)
+    if twin is None:
+        raise ValueError(f"transformers has no PIL image processor for {name}; drop image_backend=pil.")
+    return twin.from_dict(image_processor.to_dict())
+
+
 def encode(processor: Any, texts: list[str], images: list[Image.Image]) -> dict:
     """Left-padded processor outputs for ``texts`` (their placeholders consume ``images`` in order)."""
     tokenizer = getattr(processor, "tokenizer", None)

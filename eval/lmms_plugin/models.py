@@ -86,6 +86,10 @@ class VTPruneModel(lmms):
         self._check_family(self.args.pretrained)
         model, processor = load(self.args.pretrained, self.args.attn_implementation, self.args.dtype,
                                 self._load_device)
+        if self.args.image_backend == "pil":
+            from vtprune.eval.lmms_plugin.inputs import pil_image_processor
+
+            processor.image_processor = pil_image_processor(processor.image_processor)
         self._set_pixels(processor)
         return model.eval(), processor
 

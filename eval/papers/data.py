@@ -72,10 +72,11 @@ class Model:
 
 MODELS = {
     "llava-1.5-7b": Model("llava-hf/llava-1.5-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
-                          "embedded:llava", protocol="image_aspect_ratio=pad"),
+                          "embedded:llava", protocol="image_aspect_ratio=pad,image_backend=pil"),
     # LLaVA-NeXT's published TextVQA (64.9) is without the OCR tokens (haotian-liu/LLaVA#1326: 61.35 with them)
     "llava-next-7b": Model("llava-hf/llava-v1.6-vicuna-7b-hf", "vtprune_llava", "dtype=float16,attn_implementation=sdpa",
-                           "tiny:llava_next", tasks=(("TextVQA", "textvqa_val"),), visual_tokens=2880),
+                           "tiny:llava_next", protocol="image_backend=pil", tasks=(("TextVQA", "textvqa_val"),),
+                           visual_tokens=2880),
     "qwen2.5-vl-7b": Model("Qwen/Qwen2.5-VL-7B-Instruct", "vtprune_qwen_vl",
                            "dtype=bfloat16,attn_implementation=sdpa,min_pixels=200704,max_pixels=1605632",
                            "embedded:qwen2_vl", tasks=(("TextVQA", "textvqa_val"),), layers=28),

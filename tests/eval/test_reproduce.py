@@ -369,3 +369,35 @@ def test_visionzip_uses_the_exact_map_on_a_gpu_and_in_reproduce() -> None:
     setting = next(s for s in reproduce.plan(load_papers()) if s.method == "visionzip" and s.model == "qwen2.5-vl-7b")
     assert "queries=all" in reproduce.model_args(setting, False, 1)
     assert MODELS["qwen2.5-vl-7b"].args.endswith("max_pixels=1605632")  # above 6,144 patches: auto would sample
+
+
+def test_llava_rows_load_the_pil_image_processor_as_the_original_code_resized(tmp_path: Path) -> None:
+    """transformers 5 picks the torchvision image processor where torchvision is installed (a GPU install); the
+    LLaVA rows ask for ``image_backend=pil``, whose resize is PIL's, as the original LLaVA code ran. A processor
+    of the torchvision class name is turned into its PIL twin with the same settings and the same pixels."""
+    import torch
+    from PIL import Image
+    from vtprune.eval.lmms_plugin.args import parse_model_args
+    from vtprune.eval.lmms_plugin.inputs import pil_image_processor
+    from vtprune.eval.lmms_plugin.models import VTPruneLlava
+
+    for setting in reproduce.plan(load_papers()):
+        assert ("image_backend=pil" in reproduce.model_args(setting, False, 8)) == setting.model.startswith("llava")
+    lm = VTPruneLlava(pretrained="embedded:llava", method="none", keep=1.0, device="cpu", image_backend="pil")
+    pil = lm.processor.image_processor
+    assert type(pil).__name__ == "CLIPImageProcessorPil"
+    settings = pil.to_dict()
+
+    class CLIPImageProcessor:  # the torchvision class's name and settings (torchvision is not installed here)
+        def to_dict(self) -> dict:
+            return dict(settings)
+
+    twin = pil_image_processor(CLIPImageProcessor())
+    assert type(twin).__name__ == "CLIPImageProcessorPil" and twin.size == pil.size and twin.resample == pil.resample
+    image = Image.open(Path(__file__).resolve().parents[2] / "docs" / "demo.png").convert("RGB").crop((0, 0, 700, 420))
+    assert torch.equal(twin(images=[image], return_tensors="pt")["pixel_values"],
+                       pil(images=[image], return_tensors="pt")["pixel_values"])
+    assert pil_image_processor(pil) is pil
+    lm.handle.remove()
+    with pytest.raises(ValueError, match="image_backend='fast': use default"):
+        parse_model_args({"pretrained": "embedded:llava", "image_backend": "fast"})
