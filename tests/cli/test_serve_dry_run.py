@@ -79,3 +79,26 @@ def test_a_dry_run_needs_no_free_port_and_no_vllm(cli, monkeypatch):
     monkeypatch.setattr(serve, "vllm_python", lambda: (_ for _ in ()).throw(serve.UserError("no vLLM")))
     code, out, _ = cli("serve", "--dry-run")
     assert code == 0 and "vllm.entrypoints.openai.api_server" in shlex.split(out)
+
+
+@pytest.mark.parametrize("words,needle", [
+    (["--method", "fastv", "--layer", "99"], "--layer 99: pruning layer 99 is outside the language model, which has 4"),
+    (["--method", "pdrop", "--layer", "4"], "which has 4 decoder layers"),
+    (["--method", "temporal"], "'temporal' prunes tokens repeated across video frames"),
+    (["embedded:qwen2_vl", "--method", "dart", "--layer", "9"], "--layer 9"),
+])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_settings_the_model_cannot_run_are_refused_before_vllm_starts(cli, monkeypatch, words, needle, dry_run):
+    """The model's config decides (its decoder layers, its video support), in the dry run too; vLLM never starts
+    (``/bin/false`` as its Python would exit 1)."""
+    monkeypatch.setenv("VTPRUNE_VLLM_PYTHON", "/bin/false")
+    monkeypatch.setattr(serve, "check_port", lambda host, port: None)
+    code, out, err = cli("serve", *words, *(["--dry-run"] if dry_run else []))
+    assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1, (out, err)
+
+
+def test_settings_the_model_can_run_pass(cli, python):
+    for words in (["--method", "fastv", "--layer", "3"], ["embedded:qwen2_vl", "--method", "temporal"],
+                  ["--method", "pdrop"]):
+        code, out, err = cli("serve", *words, "--dry-run")
+        assert code == 0 and "api_server" in out, (words, err)

@@ -116,6 +116,7 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
         overrides: dict = {"vtprune": {key: value for key, value in raw.items()}}
         if stock is not None:
             overrides["architectures"] = [check_architecture(stock)]
+            check_model(settings, folder, overrides["architectures"][0])
     except ValueError as error:
         raise UserError(str(error).removeprefix("vtprune: ")) from None
     if "architectures" not in overrides:
@@ -126,6 +127,56 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
             "--hf-overrides", json.dumps(overrides), "--host", args.host, "--port", str(args.port),
             *embedded_defaults(args.model, args.passthrough), *method_defaults(settings.method, stock, args.passthrough),
             *args.passthrough]
+
+
+#: The families whose videos arrive as equal frames that ``temporal`` ranks (``frame_videos`` of their vLLM
+#: processors, :mod:`vtprune.vllm.qwen`), and those that recompute the tower attention the tower methods read.
+FRAME_VIDEO_FAMILIES = ("VtpruneQwen2VLForConditionalGeneration", "VtpruneQwen2_5_VLForConditionalGeneration")
+TOWER_FAMILY_NAMES = ("VtpruneLlavaForConditionalGeneration", *FRAME_VIDEO_FAMILIES,
+                      "VtpruneQwen3VLForConditionalGeneration")
+
+
+def check_model(settings: VllmPruning, folder: str, architecture: str) -> None:
+    """Refuse (one-line ``ValueError``) settings the served model cannot run, before vLLM spends a minute
+    starting: ``temporal`` on a family without frame videos, a tower method on a family whose tower the plugin
+    does not recompute, and a layer-wise method's stages against the model's depth, with the plan the plugin
+    makes at start-up (:func:`vtprune.vllm.layerwise.plan.make_layer_plan`: ``validate_stages``, as vtprune's
+    transformers path checks ``--layer``). ``architecture``: the pruned name."""
+    from vtprune.vllm.settings import TOWER_FAMILIES, TOWER_METHODS, is_retention
+
+    family = architecture.removeprefix("Vtprune")
+    if settings.method == "temporal" and architecture not in FRAME_VIDEO_FAMILIES:
+        raise ValueError(f"vtprune: method 'temporal' prunes tokens repeated across video frames, which the plugin "
+                         f"does for Qwen2-VL / Qwen2.5-VL video only, not {family}; serve 'divprune' or 'random'.")
+    if settings.method in TOWER_METHODS and architecture not in TOWER_FAMILY_NAMES:
+        raise ValueError(f"vtprune: method {settings.method!r} reads the vision tower's attention, which the plugin "
+                         f"recomputes for {TOWER_FAMILIES[settings.method]} only, not {family}; serve 'divprune'.")
+    if not settings.layer_wise or is_retention(settings.method):
+        return
+    config = _model_config(folder)
+    if config is None:  # unreadable here: vLLM reads it and the plugin checks the plan at start-up
+        return
+    from vtprune.vllm.layerwise.config import deepstack_layers
+    from vtprune.vllm.layerwise.plan import make_layer_plan
+
+    text = config.get_text_config()
+    try:
+        make_layer_plan(settings.method, settings.keep, int(text.num_hidden_layers), options=dict(settings.options),
+                        layer=settings.layer, min_layer=max(1, deepstack_layers(config)),
+                        model_type=str(getattr(config, "model_type", "model")), hf_config=config)
+    except ValueError as error:
+        flag = f"--layer {settings.layer}" if settings.layer is not None else f"--method {settings.method}"
+        raise ValueError(f"{flag}: {str(error).removeprefix('vtprune: ')}") from None
+
+
+def _model_config(folder: str):
+    """The transformers config of a model folder (or cached Hub id), None if it cannot be read here."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(folder)
+    except Exception:  # noqa: BLE001 (offline, a partial config: vLLM reports it)
+        return None
 
 
 def method_defaults(method: str, architecture: str | None, given: list[str]) -> list[str]:
