@@ -61,11 +61,7 @@ def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = 
     if query not in ("auto", "cls", "mean") or (query == "cls" and not has_cls):
         raise ValueError(f"query={query!r}: use 'auto', 'mean' or, on a tower with a CLS token (CLIP), 'cls'; "
                          f"{adapter.config.model_type}'s tower {'has' if has_cls else 'has no'} CLS token.")
-    depth = vit_depth(adapter)
-    index = default_layer(adapter) if layer is None else stage_layer(layer, f"{name}: vit_layer")
-    if not 0 <= index < depth:
-        raise ValueError(f"vit_layer={layer} is outside the {depth}-layer vision tower; use 0..{depth - 1} "
-                         f"(None: layer {default_layer(adapter)}).")
+    index = resolve_layer(adapter, layer, name)
     if is_qwen(adapter):
         if index not in adapter.vit_full_attention_blocks():
             raise ValueError(f"vit_layer={index} of {adapter.config.model_type} attends within windows; {name} "
@@ -78,6 +74,63 @@ def captures(adapter: Any, key: str, layer: int | None, name: str, query: str = 
                          f"{adapter.config.model_type}'s crops (at most 729 patches) always use every query: drop it.")
     cls = has_cls and query != "mean"
     return (Capture(vit.encoder_layers(adapter)[index], _grab_clip(adapter, key, cls), before=True, outside_forward=True),)
+
+
+def resolve_layer(adapter: Any, layer: int | None, name: str, option: str = "vit_layer") -> int:
+    """The vision layer index of ``layer`` (None: :func:`default_layer`), or a one-line ``ValueError``."""
+    depth = vit_depth(adapter)
+    index = default_layer(adapter) if layer is None else stage_layer(layer, f"{name}: {option}")
+    if not 0 <= index < depth:
+        raise ValueError(f"{option}={layer} is outside the {depth}-layer vision tower; use 0..{depth - 1} "
+                         f"(None: layer {default_layer(adapter)}).")
+    return index
+
+
+def feature_capture(adapter: Any, index: int, key: str) -> Capture:
+    """A forward hook on CLIP / SigLIP encoder layer ``index`` appending its output per crop ``[n, T, D]`` (CLS
+    dropped as the projector drops it) to ``state[key]``: the pre-projector features of that layer."""
+
+    def grab(state: dict, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        state.setdefault(key, []).append(vit.crop_tokens(adapter, hidden.detach()))
+
+    return Capture(vit.encoder_layers(adapter)[index], grab, outside_forward=True)
+
+
+def crop_records(ctx: ScoreContext, key: str, name: str, part: int = 0) -> torch.Tensor:
+    """``[n_crops, T, ...]`` the call's per-crop records of a CLIP / SigLIP hook under ``state[key]`` (item ``part``
+    of each record when records are tuples), concatenated over the call's tower runs (read once per call)."""
+    cached = ctx.state.get(f"{key}_crops{part}")
+    if cached is not None:
+        return cached
+    records = ctx.state.pop(key, None)
+    if not records:
+        raise RuntimeError(f"{name} found no vision-tower maps for this call (were images passed?).")
+    _check_images(ctx, name)
+    crops = torch.cat([r[part] if isinstance(r, tuple) else r for r in records])
+    ctx.state[f"{key}_crops{part}"] = crops
+    return crops
+
+
+def crop_table(ctx: ScoreContext, crops: torch.Tensor, name: str) -> torch.Tensor:
+    """``[B, N0max + 1]`` per-crop values ``[n_crops, T]`` laid out over each sample's visual tokens by ordinal, as the
+    model packs its crops (:func:`vtprune.methods.vit.arrange`: NeXT / OneVision tiles, newline tokens 1.0)."""
+    _check_images(ctx, name)
+    counts = ctx.visual_counts
+    arranged = vit.arrange(ctx.adapter, crops, ctx.inputs, counts)
+    table = torch.zeros(len(counts), max(counts, default=0) + 1, device=ctx.valid.device)
+    for row, (values, _) in enumerate(arranged):
+        if values.numel() != counts[row]:
+            raise ValueError(f"{name} could not align its vision-tower map ({values.numel()} values) with the "
+                             f"{counts[row]} visual tokens of sample {row}; this input layout is not supported.")
+        table[row, : values.numel()] = values.to(table.device)
+    return table
+
+
+def _check_images(ctx: ScoreContext, name: str) -> None:
+    if ctx.inputs.get("pixel_values_videos") is not None or (ctx.inputs.get("mm_encoder_outputs") or {}).get("video"):
+        raise ValueError(f"{name} reads the vision tower of images; {ctx.adapter.config.model_type} video input is "
+                         "not supported: pass the frames as images, or use 'divprune', 'dart' or 'temporal'.")
 
 
 # -- pure functions ----------------------------------------------------------------------------------------

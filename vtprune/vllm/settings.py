@@ -35,6 +35,8 @@ NOT_YET = {
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
     "cdpruner": "it selects with the prompt's instruction tokens, and vLLM's encoder runs per multimodal item "
                 "before the prompt's text embeddings are available to the plugin",
+    "vispruner": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
+                 "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
 }
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
