@@ -45,7 +45,7 @@ RELATIVE = {"REL5": ("GQA", "MMB", "MME", "POPE", "TextVQA")}
 # A row's options: RUN_OPTIONS change the run (two rows differing there are two runs), SCORING_OPTIONS only which
 # number of a run stands beside the row (``ocr``: TextVQA with or without LLaVA's reference OCR tokens;
 # ``pope``: how the paper scored POPE, ``per-split`` as LLaVA's eval_pope.py or ``pooled`` as lmms-eval).
-RUN_OPTIONS = {"layer": None, "budget": ("average",)}
+RUN_OPTIONS = {"layer": None, "budget": ("average",), "retain": None}  # None: an integer
 SCORING_OPTIONS = {"ocr": ("yes", "no"), "pope": ("per-split", "pooled")}
 OPTION_KEYS = (*RUN_OPTIONS, *SCORING_OPTIONS)
 
@@ -89,7 +89,8 @@ class PaperRow:
 
     ``options``: how the paper ran the method beyond ``keep``, ``;``-separated: ``layer=K`` (the pruning layer)
     or ``budget=average`` (``keep`` is the visual tokens per decoder layer averaged over the layers, as
-    PyramidDrop's re-runs count them, not the last stage's share); and how it scored: ``ocr=yes`` / ``ocr=no``
+    PyramidDrop's re-runs count them, not the last stage's share) or ``retain=N`` (a release preset passed to the
+    method as is: SparseVLM's ``RETAIN_TOKN``); and how it scored: ``ocr=yes`` / ``ocr=no``
     (TextVQA with or without the reference OCR tokens; default: the model's), ``pope=per-split`` /
     ``pope=pooled`` (LLaVA's POPE F1 or lmms-eval's; default: per-split).
     """
@@ -152,7 +153,7 @@ def parse_options(text: str) -> dict[str, str]:
         key, value = (pair + [""])[:2]
         if len(pair) != 2 or key not in valid or (valid[key] is None and not value.isdigit()) or (
                 valid[key] is not None and value not in valid[key]):
-            raise ValueError(f"options {text!r}: use layer=K (an integer), budget=average, ocr=yes|no, "
+            raise ValueError(f"options {text!r}: use layer=K or retain=N (integers), budget=average, ocr=yes|no, "
                              "pope=per-split|pooled, separated by ';'.")
     return dict(pairs)
 

@@ -85,8 +85,9 @@ def method_args(setting: Setting, dry_run: bool) -> tuple[str, str]:
     wanted = parse_options(setting.options)
     parts = [f"keep={setting.keep:g}"]
     changed = ""
-    if "layer" in wanted:
-        parts.append(f"layer={int(wanted['layer'])}")
+    for key in ("layer", "retain"):  # passed to the method as they are
+        if key in wanted:
+            parts.append(f"{key}={int(wanted[key])}")
     if wanted.get("budget") == "average":
         model = MODELS[setting.model]
         if dry_run:  # the embedded model (4 layers, 16 tokens) cannot reach most averages: the method's own schedule

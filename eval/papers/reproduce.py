@@ -52,16 +52,20 @@ __all__ = ["BENCHMARKS", "MODELS", "RELATIVE", "PaperRow", "Setting", "load_pape
 
 
 def plan(rows: list[PaperRow], models: list[str] | None = None, methods: list[str] | None = None,
-         mmbench: str = "judge") -> dict[Setting, list[str]]:
+         mmbench: str = "judge", registered: set[str] | None = None) -> dict[Setting, list[str]]:
     """The runs to do, each with its lmms-eval tasks; every model also runs unpruned on all of its tasks.
 
     A row's run carries its options (``layer=3``, ``budget=average``): two rows of one method and keep that ran
     differently are two runs. ``mmbench``: ``judge`` (``mmbench_en_dev``) or ``static`` (``mmbench_en_dev_static``).
+    ``registered``: the methods this vtprune has (``vtprune.list_methods()``); rows of other methods are not run
+    (None: every row's method is assumed to exist).
     """
     runs: dict[Setting, set[str]] = {}
     for row in rows:
         setting = row_setting(row)
         if setting is None or (models and row.model not in models) or (methods and row.method not in methods + ["none"]):
+            continue
+        if registered is not None and row.method not in registered:
             continue
         names = RELATIVE.get(row.benchmark, (row.benchmark,))
         runs.setdefault(setting, set()).update(benchmark_task(b, row.model, mmbench, row.options) for b in names)
@@ -220,6 +224,20 @@ def _choice(option: str, given: str | None, valid: list[str]) -> list[str] | Non
     return values
 
 
+def _registered(rows: list[PaperRow], methods: list[str] | None) -> set[str]:
+    """The methods this vtprune has; a data-file method it lacks is skipped with a note (refused if named)."""
+    import vtprune
+
+    registered = set(vtprune.list_methods())
+    missing = sorted({r.method for r in rows if r.keep is not None} - registered - {"none"})
+    if methods and set(methods) & set(missing):
+        raise SystemExit(f"vtprune bench reproduce: error: --methods {', '.join(sorted(set(methods) & set(missing)))}: "
+                         "not in this vtprune (vtprune.list_methods()); its rows stay in the table, not run.")
+    if missing:
+        print(f"[reproduce] not run (not in this vtprune): {', '.join(missing)}", file=sys.stderr, flush=True)
+    return registered
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -240,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = load_papers(args.papers)
     models = _choice("--models", args.models, list(MODELS))
     methods = _choice("--methods", args.methods, sorted({r.method for r in rows if r.keep is not None} - {"none"}))
-    runs = plan(rows, models, methods, args.mmbench)
+    registered = _registered(rows, methods)
+    runs = plan(rows, models, methods, args.mmbench, registered)
     if not runs:
         parser.error("nothing to run: no row of the data file matches --models / --methods.")
     if args.print_commands:
