@@ -38,6 +38,8 @@ def split_method_name(name: str) -> tuple[str, bool]:
     for suffix in suffixes:
         if suffix != "debias":
             raise ValueError(f"unknown method suffix '+{suffix}' in {name!r}; only '+debias' exists.")
+    if len(suffixes) > 1:
+        raise ValueError(f"method {name!r} repeats '+debias'; write it once, e.g. '{base}+debias'.")
     return base, bool(suffixes)
 
 
@@ -128,14 +130,39 @@ def validate_stages(stages: tuple[Stage, ...], num_layers: int) -> None:
         previous_layer, previous_keep = stage.layer, stage.keep
 
 
+def plain_number(value: Any) -> Any:
+    """``value`` as a Python ``int`` / ``float`` when it is a number of another kind: a NumPy scalar
+    (``np.int64(3)`` -> 3, ``np.float32(0.5)`` -> 0.5) or a 0-d tensor / array of a numeric dtype
+    (``torch.tensor(0.5)`` -> 0.5). Anything else is returned unchanged for the caller's check to judge: bools
+    of every kind (``True``, ``np.True_``, ``torch.tensor(True)``), strings, tensors with elements."""
+    if isinstance(value, bool | int | float | str | bytes):
+        return value
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        try:
+            item = value.item()
+        except (TypeError, ValueError, RuntimeError):
+            return value
+        if isinstance(item, int | float) and not isinstance(item, bool):
+            return item
+    return value
+
+
+def _plain_numbers(value: Any) -> Any:
+    """:func:`plain_number` of a value or of each item of a list / tuple of values."""
+    if type(value) in (list, tuple):
+        return type(value)(plain_number(item) for item in value)
+    return plain_number(value)
+
+
 def check_keep(keep: Any, name: str = "keep") -> float:
-    """Return ``keep`` as a float or raise ``ValueError`` if it is not in ``(0, 1]``."""
-    if isinstance(keep, bool):
-        raise ValueError(f"{name} must be a number in (0, 1], got {keep!r}; e.g. keep=0.25.")
-    try:
-        value = float(keep)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a number in (0, 1], got {keep!r}.") from err
+    """Return ``keep`` as a float or raise ``ValueError`` if it is not a number in ``(0, 1]``.
+
+    Numbers of any kind are numbers (:func:`plain_number`: NumPy scalars, 0-d tensors); bools of any kind
+    (``True`` would read as 1.0) and strings (``'0.25'``) are refused."""
+    value = plain_number(keep)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number in (0, 1], got {keep!r} ({type(keep).__name__}); e.g. keep=0.25.")
+    value = float(value)
     if not (0.0 < value <= 1.0) or math.isnan(value):
         raise ValueError(
             f"{name} must be in (0, 1] (the fraction of visual tokens kept), got {keep!r}; "
@@ -208,7 +235,11 @@ class PruneConfig:
             stages = (Stage(stage_layer(self.layer, "layer (the first decoder layer that sees pruned tokens)"), keep),)
         if stages is not None:
             keep = stages[-1].keep
-        # The normalised values (frozen: set once, here); ``stages`` is derived, not a field.
+        # The normalised values (frozen: set once, here); ``stages`` is derived, not a field. NumPy / 0-d tensor
+        # numbers among the seed and the method options become Python numbers (the methods' checks refuse bools).
+        options = self.options
+        if isinstance(options, dict):
+            options = {key: _plain_numbers(value) for key, value in options.items()}
         for name, value in (("method", method), ("debias", self.debias or debias), ("keep", keep),
-                            ("stages", stages)):
+                            ("stages", stages), ("seed", plain_number(self.seed)), ("options", options)):
             object.__setattr__(self, name, value)

@@ -161,6 +161,10 @@ RUN_CASES = [
     (["--layer", "1.7"], "argument --layer: expected an integer, got '1.7'"),
     (["--options", "A) red;B) blue"], "--options (multiple-choice answers) applies to --video"),
     (["--method", "prefixkv", "--parity", "release"], "pass scope='prompt' (command line: a --config file"),
+    (["--method", "fastv+debias+debias"], "repeats '+debias'; write it once, e.g. 'fastv+debias'"),
+    (["--image", "photo.png", "--frames", "8"], "--frames applies to --video, not to an image (--image)"),
+    (["--image", "photo.png", "--gridprobe", "2"], "--gridprobe applies to --video"),
+    (["--frames", "4", "--gridprobe", "2"], "--frames, --gridprobe apply to --video"),
 ]
 
 
@@ -350,3 +354,37 @@ def test_demo_errors_name_the_command_that_was_run(cli, capsys):
     assert app.main(["--model", "/no/such"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python demos/app.py: error: --model '/no/such'") and _one_line(err), err
+
+
+# -- numbers are numbers; bools and strings are not ---------------------------------------------------------------
+@pytest.mark.parametrize("keep", [True, "np.True_", "torch.tensor(True)", "'0.25'", "torch.tensor([0.25])"])
+def test_a_keep_that_is_not_a_number_is_refused_by_wrap(keep):
+    import numpy as np  # noqa: F401  (the parameters name NumPy and torch values)
+
+    value = eval(keep) if isinstance(keep, str) else keep
+    model, _ = tiny_model("llava")
+    with pytest.raises(ValueError, match=r"keep must be a number in \(0, 1\]") as error:
+        vtprune.wrap(model, "fastv", keep=value)
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_numbers_of_any_kind_are_accepted_as_their_value():
+    """NumPy scalars and 0-d tensors act as the Python number they hold (the kept tokens are the same)."""
+    import numpy as np
+
+    model, processor = tiny_model("llava")
+    inputs = tiny_inputs(processor, "llava", [("what color is the circle?", [random_image(64, 64, 1)])])
+    runs = {"random": ({"seed": 3}, {"seed": np.int64(3)}, {"seed": torch.tensor(3)}),
+            "transprune": ({"alpha": 0.5}, {"alpha": np.float32(0.5)}, {"alpha": torch.tensor(0.5)})}
+    for method, variants in runs.items():
+        kept = []
+        for keep, options in zip((0.5, np.float32(0.5), torch.tensor(0.5)), variants, strict=True):
+            with vtprune.apply(model, method, keep=keep, **options) as handle, torch.no_grad():
+                model(**inputs)
+                kept.append(handle.last_stats.kept_indices)
+        assert kept[0] == kept[1] == kept[2], method
+    for options in ({"seed": np.True_}, {"seed": np.float64(2.5)}):
+        with pytest.raises(ValueError, match="seed="):
+            vtprune.wrap(model, "random", keep=0.5, **options)
+    with pytest.raises(ValueError, match="alpha="):
+        vtprune.wrap(model, "transprune", keep=0.5, alpha=np.True_)

@@ -85,6 +85,13 @@ def command_run(args: argparse.Namespace) -> int:
     if getattr(args, "options", None) is not None:
         raise UserError("--options (multiple-choice answers) applies to --video; for an image, write the choices "
                         "into --question.")
+    from vtprune.cli.video import video_only_options
+
+    ignored = video_only_options(args)
+    if ignored:
+        raise UserError(f"{', '.join(ignored)} {'applies' if len(ignored) == 1 else 'apply'} to --video, not to an "
+                        f"image{' (--image)' if args.image is not None else ''}; drop "
+                        f"{'it' if len(ignored) == 1 else 'them'}, or give --video FILE.")
     from vtprune.cli.options import check_depth
     from vtprune.media.images import aspect_limit, open_image
     from vtprune.models.loading import check_load

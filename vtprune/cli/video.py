@@ -43,6 +43,14 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
                        help="also time the monolithic all-candidates pass (time ratio)")
 
 
+def video_only_options(args: argparse.Namespace) -> list[str]:
+    """The video options given on a command line without ``--video`` (an image run would silently ignore them)."""
+    defaults = {"frames": None, "gridprobe": None, "frame_budget": "global", "probe_pixels": 224 * 224,
+                "selector": None, "video_backend": "auto", "route": "auto", "measure_baseline": False}
+    return ["--" + name.replace("_", "-") for name, default in defaults.items()
+            if getattr(args, name, default) != default]
+
+
 def command_run_video(args: argparse.Namespace) -> int:
     """Answer ``args.question`` about ``args.video``; prints the answer, M_eff, frames and compute ratio."""
     from vtprune.cli.options import check_depth, final_keep, pruning_choice
