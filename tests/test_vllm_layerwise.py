@@ -1,9 +1,10 @@
 """The layer-wise vLLM plugin's pure parts in the main venv (no vLLM here): plans, layouts, request reading,
-chunk merging and the start-up checks. Engine tests: tests/vllm/test_layerwise*.py (vLLM venv)."""
+chunk merging and the start-up checks; the request keys the front end and the server refuse. Engine tests: tests/vllm/test_layerwise*.py (vLLM venv)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import TypedDict
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from vtprune.vllm.layerwise.requests import (
     visual_positions,
 )
 from vtprune.vllm.layerwise.scoring import RequestView, merge_states, select
+from vtprune.vllm.settings import VllmPruning, processor_keys
 
 
 def test_fastv_and_pdrop_counts_by_hand():
@@ -163,6 +165,7 @@ def test_start_up_sets_the_scheduler_and_eager_execution():
     lw_config.LayerwiseConfig.verify_and_update_config(config)
     assert config.scheduler_config.scheduler_cls == lw_config.SCHEDULER
     assert config.scheduler_config.async_scheduling is False and config.model_config.enforce_eager is True
+    assert config.model_config.logits_processors == [lw_config.LOGPROBS_REFUSAL]  # prompt_logprobs refused
     pre_llm = engine_config()
     pre_llm.model_config.hf_config.vtprune = {"method": "divprune", "keep": 0.25}
     lw_config.LayerwiseConfig.verify_and_update_config(pre_llm)
@@ -234,3 +237,51 @@ def test_received_attention_sums_over_row_chunks_as_over_the_whole_prompt():
     second = received_attention_sum(query[:, :, 4:], key, rows[:, 4:], ones[:, 4:], ones, scale)[0]
     torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat([first, torch.zeros(5)]) + second, expected, atol=1e-5, rtol=1e-5)
+
+
+class ImageKwargs(TypedDict, total=False):
+    max_pixels: int
+
+
+class ProcessorKwargs(TypedDict, total=False):
+    images_kwargs: ImageKwargs
+
+
+def test_a_key_the_processor_does_not_take_is_refused():
+    processor = type("P", (), {"valid_processor_kwargs": ProcessorKwargs, "image_processor": None})()
+    allowed = processor_keys(processor)
+    assert allowed == {"images_kwargs", "max_pixels"}
+    pruning = VllmPruning.from_dict({"keep": 0.25})
+    assert pruning.request_keep({"vtprune_keep": 0.5, "max_pixels": 1000}, allowed) == 0.5
+    with pytest.raises(ValueError, match="unknown request key.*'ratio'.*not an option of the model's processor"):
+        pruning.request_keep({"ratio": 0.5}, allowed)
+
+
+def test_a_top_level_keep_is_a_bad_request_at_the_server():
+    import asyncio
+    import json
+
+    from vtprune.vllm.middleware import RequestKeyCheck
+
+    def call(body: dict) -> tuple[list, list]:
+        seen, sent = [], []
+
+        async def app(scope, receive, send):
+            seen.append(json.loads((await receive())["body"]))
+
+        chunks = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+
+        async def receive():
+            return chunks.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(RequestKeyCheck(app)({"type": "http", "method": "POST"}, receive, send))
+        return seen, sent
+
+    good = {"model": "m", "mm_processor_kwargs": {"vtprune_keep": 0.5}}
+    assert call(good) == ([good], [])  # handed on unchanged
+    seen, sent = call({"model": "m", "vtprune_keep": 0.5})
+    assert seen == [] and sent[0]["status"] == 400
+    assert "'vtprune_keep' at the top level" in json.loads(sent[1]["body"])["error"]["message"]

@@ -27,6 +27,7 @@ from vtprune.vllm.settings import (
     TOWER_METHODS,
     VllmPruning,
     check_vllm_version,
+    processor_keys,
 )
 
 PPM = 1_000_000
@@ -101,10 +102,18 @@ class PrunedProcessorMixin:
         temporal patches (1 for an image), or the groups' sizes (:func:`~vtprune.vllm.select.frame_sizes`)."""
         return 1
 
+    def request_options(self) -> frozenset[str] | None:
+        """The ``mm_processor_kwargs`` keys the model's transformers processor takes (read once), or None when it
+        declares none (nothing is refused then)."""
+        if not hasattr(self, "_vtprune_options"):
+            self._vtprune_options = processor_keys(self.info.get_hf_processor()) or None
+        return self._vtprune_options
+
     def _apply_hf_processor_main(self, mm_items: Any, hf_kwargs: Mapping[str, object]):
         """The stock processing (without vtprune's request key; OneVision runs its HF processor from here, not
         through ``_call_hf_processor``) plus a keep field per item."""
-        keep = self.vtprune_settings().request_keep(dict(hf_kwargs))  # refuses a bad keep before any work
+        # refuses a bad keep, or a key neither vtprune's nor the processor's (``ratio``), before any work
+        keep = self.vtprune_settings().request_keep(dict(hf_kwargs), self.request_options())
         out = super()._apply_hf_processor_main(mm_items, without_request_key(hf_kwargs))
         for modality, count in mm_items.get_all_counts().items():  # pixels and precomputed embeddings alike
             if modality in self.modalities and count:

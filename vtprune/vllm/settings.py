@@ -193,20 +193,53 @@ class VllmPruning:
                              "{'alpha': 0.5}.")
         return cls(method, check_keep(raw.get("keep", 0.25)), seed, count, layer, tuple(sorted(options.items())))
 
-    def request_keep(self, kwargs: dict) -> float:
+    def request_keep(self, kwargs: dict, allowed: frozenset[str] | None = None) -> float:
         """The keep of one request: ``mm_processor_kwargs['vtprune_keep']`` if given, else the model's; a key that
-        looks like a misspelling of it (``vtprune_kep``, ``keep``) is refused, so a keep never goes unapplied."""
-        check_request_keys(kwargs)
+        looks like a misspelling of it (``vtprune_kep``, ``keep``), or any key outside ``allowed`` (the options of the
+        model's processor, :func:`processor_keys`; e.g. ``ratio``) is refused, so a keep never goes unapplied."""
+        check_request_keys(kwargs, allowed)
         if REQUEST_KEY in kwargs and kwargs[REQUEST_KEY] is not None:
             return check_keep(kwargs[REQUEST_KEY], REQUEST_KEY)
         return self.keep
 
 
-def check_request_keys(kwargs: dict) -> None:
+def check_request_keys(kwargs: dict, allowed: frozenset[str] | None = None) -> None:
     """A one-line ``ValueError`` for a request key that looks like ``vtprune_keep`` but is not (any key naming
-    ``vtprune`` or ``keep``): the request would otherwise run at the model's keep without a word."""
-    wrong = sorted(str(key) for key in kwargs
-                   if key != REQUEST_KEY and ("vtprune" in str(key).lower() or "keep" in str(key).lower()))
+    ``vtprune`` or ``keep``), or, given ``allowed`` (the model processor's options), for any key that is neither
+    ``vtprune_keep`` nor one of them (``ratio``): the request would otherwise run at the model's keep without a word."""
+    wrong = sorted(str(key) for key in kwargs if key != REQUEST_KEY and (
+        "vtprune" in str(key).lower() or "keep" in str(key).lower() or (allowed is not None and key not in allowed)))
     if wrong:
-        raise ValueError(f"vtprune: unknown request key(s) {', '.join(map(repr, wrong))} in mm_processor_kwargs; "
-                         f"the per-request keep is {REQUEST_KEY!r}, e.g. {{'{REQUEST_KEY}': 0.5}}.")
+        raise ValueError(f"vtprune: unknown request key(s) {', '.join(map(repr, wrong))} in mm_processor_kwargs (not "
+                         f"an option of the model's processor); the per-request keep is {REQUEST_KEY!r}, e.g. "
+                         f"{{'{REQUEST_KEY}': 0.5}}.")
+
+
+def processor_keys(processor: Any) -> frozenset[str]:
+    """The option names a transformers processor takes (``mm_processor_kwargs`` keys vLLM hands it): the keys of its
+    ``valid_processor_kwargs`` typed dict, of the typed dicts nested in it (``images_kwargs``, ...), and of its image
+    and video processors' ``valid_kwargs``. Empty when the processor declares none (then nothing is refused for it)."""
+    import typing
+
+    keys: set[str] = set()
+    declared = [getattr(processor, "valid_processor_kwargs", None)]
+    declared += [getattr(getattr(processor, part, None), "valid_kwargs", None)
+                 for part in ("image_processor", "video_processor")]
+    for kind in declared:
+        for name, value in _annotations(kind).items():
+            keys.add(name)
+            if typing.is_typeddict(value):
+                keys.update(_annotations(value))
+    return frozenset(keys)
+
+
+def _annotations(kind: Any) -> dict[str, Any]:
+    """A typed dict's fields (resolved where Python can, else as written); {} for None."""
+    import typing
+
+    if kind is None:
+        return {}
+    try:
+        return typing.get_type_hints(kind)
+    except Exception:  # an annotation that names a type this module cannot resolve
+        return dict(getattr(kind, "__annotations__", {}))

@@ -19,6 +19,8 @@ from vtprune.vllm.settings import VllmPruning, is_retention
 
 logger = logging.getLogger("vtprune.vllm")
 SCHEDULER = "vtprune.vllm.layerwise.scheduler.PruningScheduler"
+#: the logits processor whose ``validate_params`` refuses ``prompt_logprobs`` (:mod:`vtprune.vllm.layerwise.logprobs`)
+LOGPROBS_REFUSAL = "vtprune.vllm.layerwise.logprobs.PromptLogprobsRefusal"
 
 
 def deepstack_layers(hf_config: Any) -> int:
@@ -84,6 +86,14 @@ def _retention_settings(vllm_config: Any, method: str) -> None:
         vllm_config.cache_config.enable_prefix_caching = False
 
 
+def refuse_prompt_logprobs(model_config: Any) -> None:
+    """Add :data:`LOGPROBS_REFUSAL` to the model's logits processors (once): the front end then refuses
+    ``prompt_logprobs`` of every request in one line (pruned positions have no exact prompt log-probability)."""
+    processors = list(getattr(model_config, "logits_processors", None) or [])
+    if LOGPROBS_REFUSAL not in processors:
+        model_config.logits_processors = [*processors, LOGPROBS_REFUSAL]
+
+
 class LayerwiseConfig:
     """vLLM's per-architecture config hook for vtprune's architectures (a ``VerifyAndUpdateConfig``)."""
 
@@ -100,6 +110,7 @@ class LayerwiseConfig:
             served_plan(model_config)  # refuse a bad method, layer or option now, in the caller's process
             check_engine(vllm_config, pruning.method)
             vllm_config.scheduler_config.scheduler_cls = SCHEDULER
+            refuse_prompt_logprobs(model_config)
         vllm_config.scheduler_config.async_scheduling = False
         if not model_config.enforce_eager:
             logger.warning("vtprune: %s runs the language model eagerly (enforce_eager=True): its compaction between "
