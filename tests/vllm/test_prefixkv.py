@@ -6,7 +6,8 @@ LLaVA-1.5 and Qwen2-VL and tiny LLaVA-NeXT (tile grids) and Qwen3-VL (DeepStack)
 sequences at a time (new prefills join running decodes): the greedy tokens and six steps of log-probabilities, and
 every layer's kept visual tokens, equal the transformers path's. Controls: the unpruned model's steps, and an engine
 whose layers keep their lowest-priority entries, both fail the same check. Per-request keep 1.0 equals the unpruned
-model. Preempted requests are recomputed exactly. Prefix caching, asked for, is turned off at start-up.
+model. Preempted requests are recomputed exactly, also after 6 decoded tokens (vtprune's scheduler ends a recompute's
+step at its prompt's end). Prefix caching, asked for, is turned off at start-up.
 """
 
 from __future__ import annotations
@@ -103,28 +104,57 @@ def test_prefix_caching_is_turned_off(case):
     assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
 
 
-def test_preempted_requests_are_recomputed_exactly(prompts):
+def preempted_run(prompts, steps: int, **options):
+    """``(engine steps, [(request id, tokens decoded when preempted)])`` of the embedded LLaVA with PrefixKV on a
+    KV cache small enough to preempt (vLLM's ``Scheduler._preempt_request`` recorded)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vtprune.vllm.export import model_folder
 
-    folder = model_folder("embedded:llava")
-    model, processor = reference.load_folder(folder)
-    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
     preempted = []
     original = Scheduler._preempt_request
 
     def preempt(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
+        preempted.append((request.request_id, request.num_output_tokens))
         return original(self, request, *args, **kwargs)
 
-    llm = start(folder, "llava", "prefixkv", max_model_len=64, num_gpu_blocks_override=3, max_num_batched_tokens=4,
-                max_num_seqs=4)
+    llm = start(model_folder("embedded:llava"), "llava", "prefixkv", max_model_len=64, **options)
     Scheduler._preempt_request = preempt
     try:
-        got = engine_steps(llm, prompts, steps=16)
+        return engine_steps(llm, prompts, steps=steps), preempted
     finally:
         Scheduler._preempt_request = original
         shutdown(llm)
+
+
+def test_preempted_requests_are_recomputed_exactly(prompts):
+    from vtprune.vllm.export import model_folder
+
+    model, processor = reference.load_folder(model_folder("embedded:llava"))
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
+    got, preempted = preempted_run(prompts, 16, num_gpu_blocks_override=3, max_num_batched_tokens=4, max_num_seqs=4)
     assert preempted, "the KV cache was large enough: nothing was preempted"
     assert step_gap(got, want) < TOLERANCE
+
+
+def test_a_request_preempted_while_decoding_is_recomputed_exactly(prompts):
+    """Two 26-token prompts, prefilled together, fill both free blocks of 32 and decode in step; at their 7th token
+    both need a second block: one is preempted after 6 decoded tokens, and its recompute (the prompt, then the
+    generated rows in a step of their own) must give the same tokens and log-probabilities as the transformers
+    path, which never preempts."""
+    from vtprune.vllm.export import model_folder
+
+    model, processor = reference.load_folder(model_folder("embedded:llava"))
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
+    got, preempted = preempted_run(prompts, 16, num_gpu_blocks_override=3, max_num_batched_tokens=64,
+                                   max_num_seqs=2)
+    assert max((decoded for _, decoded in preempted), default=0) >= 5, preempted
+    assert step_gap(got, want) < TOLERANCE
+
+
+def test_a_recompute_ends_its_step_at_the_prompts_end():
+    from vtprune.vllm.layerwise.retention import prompt_chunk
+
+    assert prompt_chunk(0, 32, 26) == 26 and prompt_chunk(24, 8, 26) == 2  # a recompute: the prompt first
+    assert prompt_chunk(26, 6, 26) == 6 and prompt_chunk(0, 8, 26) == 8  # then the generated rows; a prompt chunk
+    assert prompt_chunk(0, 26, 26) == 26 and prompt_chunk(30, 1, 26) == 1  # a whole prompt; a decode step

@@ -5,8 +5,9 @@ layer's cache keeps its own subset of the evictable tokens (``scope="visual"``: 
 the prompt kept; ``scope="prompt"``: the whole prompt but its first ``start`` tokens and the last token).
 
 * **Priority** of a cached key at layer ``l``: the head-averaged attention it receives, summed over the prompt's
-  query rows (``ScoreContext.received_attention``: recomputed from the layer's q/k in chunks of rows, never an
-  ``L x L`` matrix kept; ``query_rows=n`` samples ``n`` evenly spaced rows instead).
+  query rows (:func:`vtprune.kv_priority.received_attention`, recomputed from the layer's q/k block by block with
+  each row's log-sum-exp, never an ``L x L`` matrix; the vLLM plugin sums with the same function; ``query_rows=n``
+  samples ``n`` evenly spaced rows instead).
 * **Per-layer retention** (the paper's global prefix configuration): sort each layer's priorities, normalise
   them to sum 1 and take the cumulative curve ``P_l(n)``; one threshold ``p`` gives ``keep_l = #{n: P_l(n) < p}
   + 1`` tokens per layer; ``p`` is found by bisection so that the layers keep ``keep`` of the evictable tokens on
@@ -35,6 +36,7 @@ import torch
 
 from vtprune.config import Stage
 from vtprune.errors import UserError
+from vtprune.kv_priority import received_attention
 from vtprune.methods.base import KVRetention, Scorer
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
@@ -104,7 +106,28 @@ class PrefixKV(Scorer):
         """Priority ``[B, L]`` of every cached key of this layer (attention received over the query rows; every row
         when ``query_rows`` reaches the prompt's length)."""
         rows = self.query_rows
-        return ctx.received_attention(None if rows is not None and rows >= ctx.valid.shape[1] else rows)
+        return priority(ctx, None if rows is not None and rows >= ctx.valid.shape[1] else rows)
+
+
+def priority(ctx: ScoreContext, rows: int | None = None) -> torch.Tensor:
+    """``[B, L]`` fp32: the head-averaged attention each slot receives from the layer's query rows, summed
+    (:func:`vtprune.kv_priority.received_attention`). ``rows=None``: every valid position queries; ``rows=n``: ``n``
+    evenly spaced valid positions of each sample, its last one included."""
+    if ctx.layer is None or ctx.position_embeddings is None:
+        raise RuntimeError("PrefixKV's priority needs a decoder layer; the pre-LLM stage has none.")
+    batch, length = ctx.valid.shape
+    positions = torch.arange(length, device=ctx.valid.device).expand(batch, length)
+    if rows is None:
+        index, mask = positions, ctx.valid
+    else:
+        first = torch.where(ctx.valid, positions, length).min(dim=1).values
+        count = ctx.valid.sum(dim=1)
+        steps = torch.linspace(0, 1, max(int(rows), 1), device=ctx.valid.device)
+        index = first[:, None] + (steps[None, :] * (count[:, None] - 1).clamp(min=0)).round().long()
+        mask = torch.ones_like(index, dtype=torch.bool)
+    query, key = ctx.adapter.project_qk(ctx.layer, ctx.hidden, ctx.position_embeddings, index)
+    scaling = float(getattr(ctx.layer.self_attn, "scaling", query.shape[-1] ** -0.5))
+    return received_attention(query, key, index, mask, ctx.valid, scaling).to(ctx.valid.device)
 
 
 def _not_int(value: object) -> bool:

@@ -19,6 +19,7 @@ from vtprune.vllm.settings import VllmPruning, is_retention
 
 logger = logging.getLogger("vtprune.vllm")
 SCHEDULER = "vtprune.vllm.layerwise.scheduler.PruningScheduler"
+RETENTION_SCHEDULER = "vtprune.vllm.layerwise.retention_scheduler.RetentionScheduler"
 #: the logits processor whose ``validate_params`` refuses ``prompt_logprobs`` (:mod:`vtprune.vllm.layerwise.logprobs`)
 LOGPROBS_REFUSAL = "vtprune.vllm.layerwise.logprobs.PromptLogprobsRefusal"
 
@@ -77,9 +78,14 @@ def served_retention(model_config: Any) -> Any:
 
 
 def _retention_settings(vllm_config: Any, method: str) -> None:
-    """PrefixKV: the settings the layer-wise methods refuse but the scheduler's; prefix caching off (each layer's
-    entries are rewritten after the prefill, so cached blocks would not hold the prompt's KV)."""
+    """PrefixKV: the settings the layer-wise methods refuse; vtprune's retention scheduler; prefix caching off (each
+    layer's entries are rewritten after the prefill, so cached blocks would not hold the prompt's KV)."""
     check_engine(vllm_config, method, own_scheduler=False)
+    custom = vllm_config.scheduler_config.scheduler_cls
+    _refuse(custom not in (None, RETENTION_SCHEDULER) and not (isinstance(custom, str) and custom.startswith("vllm.")),
+            f"{method} needs vtprune's scheduler (a recompute after a preemption ends a step at its prompt's end); "
+            f"drop scheduler_cls={custom!r}.")
+    vllm_config.scheduler_config.scheduler_cls = RETENTION_SCHEDULER
     if vllm_config.cache_config.enable_prefix_caching:
         logger.warning("vtprune: %s rewrites each layer's KV entries after the prefill; prefix caching is turned off.",
                        method)

@@ -6,7 +6,7 @@ computes over every token at prefill, as in vtprune's transformers path (:mod:`v
 * layer 0's pre-hook reads the step's requests from the runner;
 * each attention module's pre-hook (vLLM's ``Attention.forward(query, key, value)``, after RoPE) adds the attention
   that the request's prompt rows of this step pay each prompt key to the layer's priority
-  (:func:`vtprune.scoring.received_attention_sum`, the function PrefixKV's scorer sums with; a sum over rows, so a
+  (:func:`vtprune.kv_priority.received_attention`, the function PrefixKV's scorer sums with; a sum over rows, so a
   prompt prefilled in chunks sums its chunks) and holds the rows' keys and values until the prefill ends;
 * when a prefill ends, the final norm's hook counts each layer's kept entries with vtprune's own
   :func:`vtprune.kv.layer_counts` and :func:`vtprune.layout.select_kept` and writes each layer's kept keys and
@@ -14,8 +14,12 @@ computes over every token at prefill, as in vtprune's transformers path (:mod:`v
 * in later steps each decoder layer's pre-hook installs that layer's attention metadata: the request's sequence
   length there is its tokens minus the layer's evicted entries, new entries go right after the kept ones.
 
-Decoding reads only the kept entries. The KV memory is not freed: vLLM allocates a request's blocks before the
-counts are known, and frees them whole.
+Decoding reads only the kept entries. After a preemption vLLM recomputes the request: the prompt runs again (every
+layer over every prompt entry, as the first time), its rows are rewritten to each layer's kept entries of the first
+prefill (kept in the request's record: no second selection), and vtprune's scheduler
+(:mod:`vtprune.vllm.layerwise.retention_scheduler`) ends that step at the prompt's end, so the generated rows run in
+later steps over each layer's kept entries, as their first decode did. The KV memory is not freed: vLLM allocates a
+request's blocks before the counts are known, and frees them whole.
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ from typing import Any
 import torch
 
 from vtprune.kv import evictable_mask, layer_counts
+from vtprune.kv_priority import received_attention
 from vtprune.layout import select_kept
 from vtprune.plan import KVPlan
-from vtprune.scoring import received_attention_sum
 from vtprune.vllm import ranks
 from vtprune.vllm.layerwise import scoring
 from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, region_layout, slot_mapping
@@ -45,7 +49,8 @@ class RetentionRecord:
     """One request's retention on this worker: ``visual`` (prompt positions of its visual tokens), ``keep``; while
     its prefill runs, per layer the ``priority`` ``[P]`` summed so far, the earlier chunks' prompt ``keys`` (all
     heads, for scoring) and ``entries`` (this rank's keys and values of every row, for the rewrite); afterwards
-    ``evicted``, the entries each layer dropped."""
+    ``evicted``, the entries each layer dropped, and ``kept`` ``[layers, P]`` bool, each layer's kept prompt entries
+    (kept through a preemption: a recompute rewrites the same entries)."""
 
     visual: torch.Tensor
     keep: float
@@ -53,9 +58,10 @@ class RetentionRecord:
     keys: list = field(default_factory=list)
     entries: list = field(default_factory=list)
     evicted: tuple[int, ...] | None = None
+    kept: torch.Tensor | None = None
 
     def reset(self, layers: int) -> None:
-        """Start the prefill again (the request's first step, or a recompute after a preemption)."""
+        """Start the prefill again (the request's first step, or a recompute after a preemption: ``kept`` stays)."""
         self.priority, self.evicted = [None] * layers, None
         self.keys, self.entries = [[] for _ in range(layers)], [[] for _ in range(layers)]
 
@@ -67,6 +73,13 @@ def query_rows(prompt: int, sampled: int | None) -> torch.Tensor:
         return torch.arange(prompt)
     steps = torch.linspace(0, 1, max(int(sampled), 1))
     return (steps * max(prompt - 1, 0)).round().long()
+
+
+def prompt_chunk(computed: int, scheduled: int, prompt: int) -> int:
+    """Tokens a request may run in one step under PrefixKV: ``scheduled``, cut at the prompt's end when the step
+    would start inside the prompt and run past it (a recompute after a preemption: the generated rows must wait
+    until every layer's kept entries are in place)."""
+    return prompt - computed if computed < prompt < computed + scheduled else scheduled
 
 
 class RetentionRuntime:
@@ -116,6 +129,10 @@ class RetentionRuntime:
                 record.reset(len(self.attention))
             steps.append((step, record))
         self.prefilling = [(s, r) for s, r in steps if r is not None and s.computed < s.prompt]
+        for step, _ in self.prefilling:
+            if step.computed + step.scheduled > step.prompt:
+                raise RuntimeError("vtprune: prefixkv got a step that runs a prompt and generated tokens together (a "
+                                   "recompute); its scheduler (retention_scheduler.RetentionScheduler) must be in place.")
         self.decoding = any(r is not None and r.evicted is not None for _, r in steps)
         self.steps = steps if self.prefilling or self.decoding else None
 
@@ -148,7 +165,8 @@ class RetentionRuntime:
             local_keys = key[rows].reshape(step.scheduled, -1, size)
             record.entries[index].append((local_keys.clone(), value[rows].reshape(step.scheduled,
                                                                                    local_keys.shape[1], -1).clone()))
-            self._add_priority(index, step, record, query[rows], key[rows])
+            if record.kept is None:  # a recompute reuses the first prefill's kept entries
+                self._add_priority(index, step, record, query[rows], key[rows])
 
     def _add_priority(self, index: int, step: StepRequest, record: RetentionRecord, query: torch.Tensor,
                       key: torch.Tensor) -> None:
@@ -169,9 +187,9 @@ class RetentionRuntime:
             return
         queries = scoring._gather_heads(query[rows - step.computed]).reshape(rows.numel(), -1, size)
         scaling = float(getattr(self.layers.decoder_layers[index].self_attn, "scaling", size ** -0.5))
-        summed = received_attention_sum(queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], rows[None],
-                                        torch.ones(1, rows.numel(), dtype=torch.bool),
-                                        torch.ones(1, keys.shape[0], dtype=torch.bool), scaling)
+        summed = received_attention(queries.transpose(0, 1)[None], keys.transpose(0, 1)[None], rows[None],
+                                    torch.ones(1, rows.numel(), dtype=torch.bool),
+                                    torch.ones(1, keys.shape[0], dtype=torch.bool), scaling)
         record.priority[index][:keys.shape[0]] += summed[0]
 
     def _end(self, module: Any, args: tuple, output: Any) -> None:
@@ -200,16 +218,17 @@ class RetentionRuntime:
         return ranks.broadcast_from_first_rank(torch.stack(masks).to(torch.uint8)).bool()
 
     def _retain(self, step: StepRequest, record: RetentionRecord) -> None:
-        """Write each layer's kept entries (then any recomputed generated ones) to the front of the request's slots."""
-        kept = self._kept(step, record)
-        end = step.computed + step.scheduled
+        """Write each layer's kept entries to the front of the request's slots (after a recompute: the first
+        prefill's)."""
+        first = record.kept is None
+        kept = self._kept(step, record) if first else record.kept
         runner = self.runner()
         evicted, ordinals = [], []
         ordinal = torch.full((step.prompt,), -1, dtype=torch.long)
         ordinal[record.visual] = torch.arange(record.visual.numel())
         for layer, attention in enumerate(self.attention):
             prompt_rows = kept[layer].nonzero().flatten().cpu()
-            rows = torch.cat([prompt_rows, torch.arange(step.prompt, end)])
+            rows = prompt_rows
             keys = torch.cat([k for k, _ in record.entries[layer]])
             values = torch.cat([v for _, v in record.entries[layer]])
             gid, _ = layer_group(runner, attention.layer_name)
@@ -221,6 +240,7 @@ class RetentionRuntime:
                                               slots)
             evicted.append(step.prompt - prompt_rows.numel())
             ordinals.append([int(o) for o in ordinal[prompt_rows] if o >= 0])
-        record.evicted = tuple(evicted)
+        record.evicted, record.kept = tuple(evicted), kept
         record.priority, record.keys, record.entries = [], [], []
-        self.selections.append(ordinals)
+        if first:
+            self.selections.append(ordinals)
