@@ -35,6 +35,10 @@ NOT_YET = {
     "oracle": "it needs each sample's evidence weights (handle.set_evidence), which vLLM requests cannot carry",
     "cdpruner": "it selects with the prompt's instruction tokens, and vLLM's encoder runs per multimodal item "
                 "before the prompt's text embeddings are available to the plugin",
+    "mmtok": "it selects with the prompt's instruction tokens, and vLLM's encoder runs per multimodal item "
+             "before the prompt's text embeddings are available to the plugin",
+    "sparsevlm": "its recycling merges deleted tokens into new ones, a merge step the layer-wise runtime lacks, and "
+                 "its raters read the language model's input embeddings, which the runtime does not capture",
     "vispruner": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
                  "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
 }
