@@ -249,6 +249,11 @@ class PrunedCache:
         copy = memo.get(id(self.cache()))
         return self if copy is None else PrunedCache(copy, None)
 
+    def __reduce__(self) -> tuple:
+        """Pickling (``torch.save`` of a pruned cache): the loaded cache is pruned too and, like a deep copy, bound
+        to no call, so it refuses to grow (its weak references and compiled wrapper are not pickled)."""
+        return PrunedCache, (self.cache(), None)
+
 
 def mark_pruned(cache: Any, calls: CallRegistry) -> None:
     """Mark ``cache`` as pruned by the wrapping whose per-call state is ``calls`` (see :class:`PrunedCache`)."""

@@ -116,3 +116,18 @@ def test_the_mark_keeps_nothing_alive():
     del out
     assert cache() is None
     handle.remove()
+
+
+def test_a_saved_pruned_cache_loads_pruned_and_refuses_to_grow(tmp_path):
+    """``torch.save`` of a pruned cache used to raise a raw weakref pickling error; it saves, and the loaded cache
+    holds the same entries and, like a deep copy, is refused in one line; the original continues."""
+    model, processor = tiny_model("llava", "sdpa", image_size=112)
+    inputs, out, handle = _turn1(model, processor, "llava", "fastv", {})
+    torch.save(_cache(out), tmp_path / "cache.pt")
+    loaded = torch.load(tmp_path / "cache.pt", weights_only=False)
+    for (keys, values), layer in zip(_snapshot(_cache(out)), loaded.layers, strict=True):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
+    _refused(model, processor, inputs, out, loaded)
+    with torch.no_grad():
+        model.generate(**_turn2(model, processor, inputs, out, _cache(out)))
+    handle.remove()
