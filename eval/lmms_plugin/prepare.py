@@ -16,7 +16,6 @@ task's name that it did not write is refused in one line, before anything is wri
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -95,7 +94,7 @@ def write_video_task(out: Path, n_clips: int, split: str = "test", frame_stride:
     from vtprune.shapes.video import make_video_split
 
     if frame_stride < 1:
-        raise ValueError(f"frame_stride must be >= 1, got {frame_stride}.")
+        raise ValueError(f"frame_stride must be >= 1 (--frame-stride on the command line), got {frame_stride}.")
     task_dir = _fresh_dir(out / VIDEO_TASK)
     data = task_dir / "data"
     docs = data / "docs.jsonl"
@@ -156,7 +155,9 @@ def prepare(out: str | Path | None = None, n_images: int = 100, video_clips: int
     ``force``; its own earlier folders are replaced (same arguments, same data).
     """
     if n_images < 1:
-        raise ValueError(f"n_images must be >= 1, got {n_images}.")
+        raise ValueError(f"n_images must be >= 1 (--n on the command line), got {n_images}.")
+    if video_clips < 0:
+        raise ValueError(f"video_clips must be >= 0 (--video-clips; 0: no video task), got {video_clips}.")
     root = Path(out).expanduser().resolve() if out else default_out().resolve()
     check_tasks(root, [IMAGE_TASK, CHOICE_TASK] + ([VIDEO_TASK] if video_clips else []), force)
     root.mkdir(parents=True, exist_ok=True)
@@ -168,12 +169,16 @@ def prepare(out: str | Path | None = None, n_images: int = 100, video_clips: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vtprune bench lmms-prepare", description=__doc__.split("\n")[0])
+    from vtprune.cli.checks import OneLineParser, int_range
+    from vtprune.shapes.task import SPLIT_SEEDS
+
+    parser = OneLineParser(prog="vtprune bench lmms-prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help=f"folder for --include_path (default: ${ENV_VAR} or ~/.cache/vtprune/lmms_tasks)")
-    parser.add_argument("--n", type=int, default=100, help="images of vtprune_shapes (about 6 questions each)")
-    parser.add_argument("--video-clips", type=int, default=0, help="clips of vtprune_shapes_video (2 questions each; 0: skip)")
-    parser.add_argument("--frame-stride", type=int, default=1, help="keep every k-th frame of each clip")
-    parser.add_argument("--split", default="test", help="train, val, test or calib seed stream")
+    parser.add_argument("--n", type=int_range(1), default=100, help="images of vtprune_shapes (about 6 questions each), >= 1")
+    parser.add_argument("--video-clips", type=int_range(0), default=0,
+                        help="clips of vtprune_shapes_video (2 questions each; 0: no video task)")
+    parser.add_argument("--frame-stride", type=int_range(1), default=1, help="keep every k-th frame of each clip, >= 1")
+    parser.add_argument("--split", choices=sorted(SPLIT_SEEDS), default="test", help="seed stream of the samples")
     parser.add_argument("--force", action="store_true",
                         help="replace task folders of the same names that lmms-prepare did not write (default: "
                         "refuse; its own earlier folders are always rewritten)")

@@ -33,3 +33,18 @@ def test_image_aspect_ratio_is_checked_before_loading() -> None:
         VTPruneQwenVL(pretrained="tiny:qwen2_vl", image_aspect_ratio="pad", device="cpu")
     with pytest.raises(ValueError, match="'llava_next' model, which prepares its images itself"):
         VTPruneLlava(pretrained="tiny:llava_next", image_aspect_ratio="pad", device="cpu")
+
+
+@pytest.mark.parametrize("words,needle", [
+    (["--video-clips", "-1"], "argument --video-clips: must be >= 0, got -1"),
+    (["--n", "0"], "argument --n: must be >= 1, got 0"),
+    (["--frame-stride", "0"], "argument --frame-stride: must be >= 1, got 0"),
+    (["--split", "bogus"], "argument --split: invalid choice: 'bogus'"),
+])
+def test_lmms_prepare_names_its_options_in_one_line(tmp_path, cli, words, needle) -> None:
+    """The command-line options, not prepare()'s parameters (n_images, frame_stride); nothing is written (a
+    negative --video-clips used to write an empty video task)."""
+    code, out, err = cli("bench", "lmms-prepare", "--out", str(tmp_path / "tasks"), *words)
+    assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1, err
+    assert "usage:" not in err and "n_images" not in err and "frame_stride" not in err
+    assert not (tmp_path / "tasks").exists()
