@@ -119,3 +119,42 @@ def test_cdpruner_relevance_weight_is_checked_at_wrap_time():
     for bad in (1.0, -0.1, True, "0.5"):
         with pytest.raises(ValueError, match="relevance_weight=.*theta in \\[0, 1\\)"):
             vtprune.methods.resolve("cdpruner", {"relevance_weight": bad})
+
+
+def _instruction_ids(model, inputs: dict) -> torch.Tensor:
+    ids = inputs["input_ids"][0]
+    image = ids == (getattr(model.config, "image_token_id", None) or model.config.image_token_index)
+    return ids[int(image.nonzero().max()) + 1:]
+
+
+@pytest.mark.skipif("mmtok" not in TEXT_METHODS, reason="mmtok not registered")
+@pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
+def test_mmtok_selects_what_the_release_rule_gives_on_independently_computed_inputs(model_type):
+    """LLaVA: ``v`` = the tower's feature-layer patches (CLS dropped), ``x`` = the projector's output of them;
+    Qwen2.5-VL: ``v`` = the blocks' output averaged per 4 merger rows in window order, then put back in token
+    order (the release's ``img_features``), ``x`` = the merger's output; ``z`` = the embedding table's rows of the
+    instruction's ids. The pure rule on these equals what the wrapped model keeps."""
+    from vtprune.config import keep_count
+    from vtprune.methods.mmtok import select
+
+    model, processor = _model(model_type)
+    inputs = tiny_inputs(processor, model_type, [(QUESTIONS[1], [random_image(96, 80, 5)])])
+    with torch.no_grad():
+        text = model.get_input_embeddings()(_instruction_ids(model, inputs))
+        if model_type == "llava":
+            states = model.model.vision_tower(inputs["pixel_values"], output_hidden_states=True).hidden_states
+            tower = states[model.config.vision_feature_layer][0, 1:]
+            image = model.model.multi_modal_projector(tower)
+            temperature = 0.02
+        else:
+            from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+
+            visual, grid = model.model.visual, inputs["image_grid_thw"]
+            out = visual(inputs["pixel_values"], grid_thw=grid)
+            window, _ = qwen.get_vision_window_index(grid, spatial_merge_size=visual.spatial_merge_size,
+                                                     window_size=visual.window_size, patch_size=visual.patch_size)
+            hidden = out.last_hidden_state
+            tower = hidden.reshape(-1, 4, hidden.shape[-1]).mean(dim=1)[torch.argsort(window)]
+            image, temperature = out.pooler_output, 0.01
+    expected = select(text, image, tower, keep_count(0.4, image.shape[0]), 0.5, temperature, 0.2).tolist()
+    assert _kept(model, inputs, "mmtok")[0][0] == expected
