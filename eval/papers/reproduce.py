@@ -46,7 +46,7 @@ from vtprune.eval.papers.data import (
 from vtprune.eval.papers.protocols import method_args
 from vtprune.eval.papers.runs import TIMING_FILE, check_runs, run_options, start_run
 
-from vtprune.cli.checks import check_output_dir
+from vtprune.cli.checks import OneLineParser, check_output_dir
 
 __all__ = ["BENCHMARKS", "MODELS", "RELATIVE", "PaperRow", "Setting", "load_papers", "main", "metric", "plan"]
 
@@ -182,7 +182,7 @@ def execute(runs: dict[Setting, list[str]], args: argparse.Namespace,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vtprune bench reproduce", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="vtprune bench reproduce", description=__doc__.splitlines()[0])  # errors: one line
     parser.add_argument("--dry-run", action="store_true",
                         help="offline on CPU: embedded models and the local vtprune_shapes task (not comparable)")
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all)")

@@ -388,3 +388,9 @@ def test_numbers_of_any_kind_are_accepted_as_their_value():
             vtprune.wrap(model, "random", keep=0.5, **options)
     with pytest.raises(ValueError, match="alpha="):
         vtprune.wrap(model, "transprune", keep=0.5, alpha=np.True_)
+
+
+@pytest.mark.parametrize("words", [["--batch-size", "0"], ["--checkpoint", "bogus"], ["--bogus-option"]])
+def test_bench_reproduce_errors_are_one_line_without_a_usage_block(cli, no_model, tmp_path, words):
+    code, out, err = cli("bench", "reproduce", "--dry-run", "--out", str(tmp_path / "r"), *words)
+    assert code == 2 and out == "" and _one_line(err) and err.startswith("vtprune bench reproduce: error:"), err
