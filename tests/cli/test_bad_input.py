@@ -394,3 +394,13 @@ def test_numbers_of_any_kind_are_accepted_as_their_value():
 def test_bench_reproduce_errors_are_one_line_without_a_usage_block(cli, no_model, tmp_path, words):
     code, out, err = cli("bench", "reproduce", "--dry-run", "--out", str(tmp_path / "r"), *words)
     assert code == 2 and out == "" and _one_line(err) and err.startswith("vtprune bench reproduce: error:"), err
+
+
+@pytest.mark.parametrize("words,needle", [
+    (["--methods", "none,fastv,fastv"], "'fastv' is listed twice"), (["--keep", "0.5,0.5"], "'0.5' is listed twice"),
+    (["--keep", "1,1.0"], "'1' and '1.0' are listed twice"),
+])
+def test_bench_refuses_a_method_or_keep_listed_twice(cli, no_model, tmp_path, words, needle):
+    """Each would run, and be reported, twice."""
+    code, _, err = cli("bench", "--out", str(tmp_path / "r"), *words)
+    assert code == 2 and needle in err and _one_line(err), err
