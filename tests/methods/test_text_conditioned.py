@@ -158,3 +158,17 @@ def test_mmtok_selects_what_the_release_rule_gives_on_independently_computed_inp
             image, temperature = out.pooler_output, 0.01
     expected = select(text, image, tower, keep_count(0.4, image.shape[0]), 0.5, temperature, 0.2).tolist()
     assert _kept(model, inputs, "mmtok")[0][0] == expected
+
+
+@pytest.mark.skipif("mmtok" not in TEXT_METHODS, reason="mmtok not registered")
+def test_mmtok_options_are_checked_and_the_lm_space_runs_batched():
+    for options, match in (({"alpha": 0}, "alpha=0"), ({"tv_temperature": -1.0}, "tv_temperature=-1.0"),
+                           ({"vv_temperature": True}, "vv_temperature=True"), ({"vision_space": "clip"}, "'tower'")):
+        with pytest.raises(ValueError, match=match):
+            vtprune.methods.resolve("mmtok", options)
+    model, processor = _model("llava_onevision")
+    samples = [(QUESTIONS[0], [random_image(96, 80, 5)]), (QUESTIONS[1], [random_image(64, 96, 6)])]
+    batch = _kept(model, tiny_inputs(processor, "llava_onevision", samples), "mmtok", vision_space="lm")
+    for row, sample in enumerate(samples):
+        alone = _kept(model, tiny_inputs(processor, "llava_onevision", [sample]), "mmtok", vision_space="lm")
+        assert alone == [stage[row:row + 1] for stage in batch]
