@@ -7,10 +7,14 @@ transformers path).
 output token (TPOT), KV memory per request and how many requests fit a fixed KV budget
 (:mod:`vtprune.eval.speed.serving_kv`), for the unpruned model and each of ``--methods`` at ``--keep`` (pre-LLM
 and layer-wise methods side by side, all engines up together); then one ``generate`` loop of vtprune's
-transformers path (concurrency 1). Models: ``proxy576`` (a random-weight
-LLaVA at LLaVA-1.5 geometry, 336 px / 14 px patches = 576 visual tokens, small language model, vLLM dummy
-weights) or ``proxy7b`` (the same with LLaVA-1.5-7B's language model and CLIP-L tower: GPU), and
-``embedded:llava`` (16 tokens per image). Writes CSV, Markdown (with conditions) and a plot to ``--out``.
+transformers path (concurrency 1). Models: ``proxy576x32`` (the default: a random-weight LLaVA at LLaVA-1.5
+geometry, 336 px / 14 px patches = 576 visual tokens, with a 32-layer language model 256 wide, vLLM dummy weights),
+``proxy576`` (the same with a 4-layer language model 512 wide: a quick run), ``proxy7b`` (LLaVA-1.5-7B's language
+model and CLIP-L tower: GPU), and ``embedded:llava`` (16 tokens per image). Each engine's KV blocks per request per
+layer are read from its own KV managers (:mod:`vtprune.eval.speed.serving_engines`) next to the formula; with
+``--memory-bound N`` the engines run again at the highest concurrency with a KV cache that holds ``N`` unpruned
+requests (fewer than the concurrency: memory is the limit). Writes CSV, Markdown (with conditions) and a plot to
+``--out``.
 """
 
 from __future__ import annotations
@@ -29,15 +33,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROXY_LM = {"proxy576": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+PROXY_LM = {"proxy576x32": dict(hidden_size=256, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=4,
+                                head_dim=64, intermediate_size=704),
+            "proxy576": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
                              head_dim=64, intermediate_size=1408),
             "proxy7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                             head_dim=128, intermediate_size=11008)}
 PROXY_TOWER = {"proxy576": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
+               "proxy576x32": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
                "proxy7b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)}
-FIELDS = ["model", "engine", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
+FIELDS = ["model", "engine", "scenario", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
           "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_read_tokens_per_req",
-          "kv_blocks_per_req", "kv_mib_per_req", "max_requests_in_budget", "speedup", "vs_transformers"]
+          "kv_blocks_per_req", "kv_mib_per_req", "max_requests_in_budget", "engine_block_size", "kv_blocks_engine",
+          "kv_blocks_formula", "kv_budget_mib", "speedup", "vs_transformers"]
+BLOCK_FIELDS = ("engine_block_size", "kv_blocks_engine", "kv_blocks_formula")
 
 
 def proxy_folder(name: str, root: Path) -> Path:
@@ -105,12 +114,12 @@ def summary(model: str, engine: str, method: str, keep: float, concurrency: int,
     from vtprune.eval.speed.serving_kv import kv_fields
 
     tokens = statistics.mean(r["prompt"] + r["output"] for r in records)
-    row = {"model": model, "engine": engine, "method": method, "keep": keep, "concurrency": concurrency,
+    row = {"model": model, "engine": engine, "scenario": "", "method": method, "keep": keep, "concurrency": concurrency,
            "requests": len(records), "visual_tokens": visual, "kept_tokens": kept,
            "req_per_s": round(len(records) / seconds, 3),
            "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in records), 1),
            "tpot_p50_ms": round(1000 * statistics.median(r["tpot"] for r in records), 2), "speedup": "",
-           "vs_transformers": ""}
+           "vs_transformers": "", "kv_budget_mib": "", **dict.fromkeys(BLOCK_FIELDS, "")}
     row.update(kv_fields(method, keep, config["text_config"], visual, tokens, args.block_size, args.kv_budget_gib))
     return row
 
@@ -132,42 +141,36 @@ def kept_tokens(method: str, keep: float, visual: int, num_layers: int) -> int:
     return kept_count(keep, visual)
 
 
-def measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace) -> list[dict]:
-    """Rows of one engine per method (``none``: unpruned), measured in alternation at every concurrency."""
-    return asyncio.run(_measure_vllm(model, folder, methods, keep, args))
+def measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace,
+                 levels: list[int] | None = None, kv_bytes: int | None = None) -> list[dict]:
+    """Rows of one engine per method (``none``: unpruned), measured in alternation at every concurrency of
+    ``levels`` (default ``--concurrency``), with a KV cache of ``kv_bytes`` (default: the engine's own size)."""
+    return asyncio.run(_measure_vllm(model, folder, methods, keep, args, levels or args.concurrency, kv_bytes))
 
 
-def _engine(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace):
+def _engine(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace, kv_bytes: int | None):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
+    from vtprune.eval.speed.serving_engines import engine_options
 
-    config = json.loads((folder / "config.json").read_text())
-    length = min(args.max_model_len, int(config["text_config"].get("max_position_embeddings", args.max_model_len)))
-    overrides: dict = {}
-    if method != "none":
-        overrides = {"architectures": ["VtpruneLlavaForConditionalGeneration"],
-                     "vtprune": {"method": method, "keep": keep}}
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(
-        model=str(folder), dtype=args.dtype, enforce_eager=True, max_model_len=length,
-        max_num_seqs=max(args.concurrency), hf_overrides=overrides, seed=0,
-        load_format="dummy" if model.startswith("proxy") else "auto", limit_mm_per_prompt={"image": 1}))
+    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_options(folder, model, method, keep, args, kv_bytes)))
 
 
-async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace
-                        ) -> list[dict]:
+async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace,
+                        levels: list[int], kv_bytes: int | None) -> list[dict]:
     """Both engines stay up; each concurrency level runs ``--rounds`` times, the engines taking turns, so a busy
     machine slows both alike; a row reports the median round's requests/s and the pooled TTFT / TPOT."""
     config = json.loads((folder / "config.json").read_text())
     size = config["vision_config"]["image_size"]
     visual = (size // config["vision_config"]["patch_size"]) ** 2
     layers = config["text_config"]["num_hidden_layers"]
-    engines = {method: _engine(folder, model, method, keep, args) for method in methods}
+    engines = {method: _engine(folder, model, method, keep, args, kv_bytes) for method in methods}
     rows = []
     try:
         prompt = prompt_text(engines[methods[0]].get_tokenizer())
         for engine in engines.values():
             await run_load(engine, prompt, images(2, size, seed=99), 2, args.max_tokens)  # warm-up
-        for concurrency in args.concurrency:
+        for concurrency in levels:
             count = max(args.requests, 2 * concurrency)
             runs: dict[str, list] = {method: [] for method in methods}
             for round_index in range(args.rounds):
@@ -181,6 +184,8 @@ async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: floa
                               [r for run, _ in runs[method] for r in run], seconds, config, visual,
                               kept_tokens(method, keep, visual, layers), args)
                 row["requests"], row["req_per_s"] = len(records), round(len(records) / seconds, 3)
+                row["scenario"] = "default KV" if kv_bytes is None else "memory-bound"
+                row["kv_budget_mib"] = "" if kv_bytes is None else round(kv_bytes / 2**20, 1)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     finally:
@@ -265,10 +270,11 @@ def median_transformers(rows: list[dict]) -> list[dict]:
 def add_speedups(rows: list[dict]) -> None:
     """``speedup``: requests/s over the unpruned row of the same model, engine and concurrency;
     ``vs_transformers``: over vtprune's transformers path (same model and method, one request at a time)."""
-    base = {(r["model"], r["engine"], r["concurrency"]): r["req_per_s"] for r in rows if r["method"] == "none"}
+    base = {(r["model"], r["engine"], r["scenario"], r["concurrency"]): r["req_per_s"] for r in rows
+            if r["method"] == "none"}
     loop = {(r["model"], r["method"]): r["req_per_s"] for r in rows if r["engine"] == "transformers"}
     for row in rows:
-        unpruned = base.get((row["model"], row["engine"], row["concurrency"]))
+        unpruned = base.get((row["model"], row["engine"], row["scenario"], row["concurrency"]))
         row["speedup"] = round(row["req_per_s"] / unpruned, 2) if unpruned else ""
         transformers = loop.get((row["model"], row["method"]))
         row["vs_transformers"] = round(row["req_per_s"] / transformers, 2) if transformers else ""
@@ -278,9 +284,13 @@ def conditions(args: argparse.Namespace) -> str:
     import torch
     import vllm
 
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    import vtprune
+
+    source = Path(vtprune.__file__).resolve().parents[1]  # the checkout the engines import (a worktree, maybe)
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=source, capture_output=True, text=True).stdout
     return (f"vLLM {vllm.__version__} ({'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()}), "
-            f"torch {torch.__version__}, {args.dtype}, eager, {os.cpu_count()} cores "
+            f"torch {torch.__version__}, {args.dtype}, vLLM's default compile mode (the plugin runs layer-wise "
+            f"methods and PrefixKV eagerly), {os.cpu_count()} cores "
             f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}), Python {platform.python_version()}, "
             f"vtprune {sha.strip() or '?'}; requests per concurrency max({args.requests}, 2 x concurrency), "
             f"pruned and unpruned engines up together and measured in {args.rounds} alternating rounds (median "
@@ -289,7 +299,11 @@ def conditions(args: argparse.Namespace) -> str:
             f"{args.transformers_requests} requests, one at a time; KV per request: each layer's tokens (a layer-wise "
             "method's pruned layers hold only the kept ones) in blocks of "
             f"{args.block_size} tokens x 2 x KV heads x head dim x 4 bytes, summed over layers; kv_blocks_per_req = "
-            f"those blocks / layers; max_requests_in_budget = requests whose KV fits {args.kv_budget_gib} GiB.")
+            f"those blocks / layers; max_requests_in_budget = requests whose KV fits {args.kv_budget_gib} GiB; "
+            "kv_blocks_engine: one request alone, its blocks read from the engine's KV managers at its last step, per "
+            "layer, at the engine's block size (engine_block_size), next to the formula at that block size "
+            "(kv_blocks_formula); memory-bound rows: the engines restarted with a KV cache of kv_budget_mib, which "
+            f"holds {args.memory_bound} unpruned requests, at concurrency {max(args.concurrency)}.")
 
 
 def write(rows: list[dict], out: Path, args: argparse.Namespace) -> None:
@@ -352,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
 
         forwarded = sys.argv[1:] if argv is None else argv
         return subprocess.call([vllm_python(), "-m", "vtprune.eval.speed.serving", *forwarded])
+    from vtprune.eval.speed.serving_engines import engine_blocks, memory_bound_bytes
+
     from vtprune.vllm.export import cache_root, model_folder
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU (ignored on a GPU)
@@ -359,7 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for model in args.models.split(","):
         folder = proxy_folder(model, cache_root()) if model.startswith("proxy") else Path(model_folder(model))
-        rows += measure_vllm(model, folder, ["none", *args.methods], args.keep, args)
+        methods = ["none", *args.methods]
+        blocks = {method: engine_blocks(folder, model, method, args.keep, args) for method in methods}
+        print(json.dumps({"model": model, "blocks": blocks}), flush=True)
+        measured = measure_vllm(model, folder, methods, args.keep, args)
+        if args.memory_bound:
+            budget = memory_bound_bytes(folder, args.memory_bound, blocks["none"]["engine_block_size"], args)
+            measured += measure_vllm(model, folder, methods, args.keep, args, [max(args.concurrency)], budget)
+        for row in measured:
+            row.update(blocks[row["method"]])
+        rows += measured
         for _ in range(args.transformers_requests and args.rounds):  # alternating rounds too
             for method in ("none", *args.methods):
                 rows.append(measure_transformers(model, folder, method, args.keep, args))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-PROXIES = ("proxy576", "proxy7b")  # the random-weight proxies of vtprune.eval.speed.serving
+PROXIES = ("proxy576x32", "proxy576", "proxy7b")  # the random-weight proxies of vtprune.eval.speed.serving
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -19,7 +19,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = OneLineParser(prog="vtprune bench serving",
                            description="Serving benchmark: vLLM with vtprune's plugin, pruned vs unpruned, as users "
                                        "measure serving (and vs vtprune's transformers path).")
-    parser.add_argument("--models", default="proxy576,embedded:llava", help="proxy576, proxy7b, embedded:llava")
+    parser.add_argument("--models", default="proxy576x32",
+                        help="proxy576x32 (32 layers, the default), proxy576 (4 layers: quick), proxy7b (GPU), "
+                             "embedded:llava or a model folder, comma-separated")
     parser.add_argument("--methods", default="divprune,fastv,pdrop",
                         help="the pruned engines' methods, comma-separated: pre-LLM (divprune, random) and layer-wise "
                              "(fastv, pdrop, transprune, ttv, dart)")
@@ -39,6 +41,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="KV block size the memory columns count in (vLLM's default on a GPU is 16)")
     parser.add_argument("--kv-budget-gib", type=float, default=8.0,
                         help="KV budget for the max_requests_in_budget column, GiB")
+    parser.add_argument("--memory-bound", type=int_range(0), default=None,
+                        help="also run the highest concurrency with a KV cache that holds this many unpruned requests "
+                             "(fewer than the concurrency; default: a quarter of it); 0: skip")
     parser.add_argument("--out", default="docs/results/serving", help="folder for CSV, Markdown and plot")
     parser.add_argument("--force", action="store_true",
                         help="replace the serving.csv an earlier run left in --out (default: refuse)")
@@ -74,6 +79,11 @@ def check_args(args: argparse.Namespace) -> None:
     for method in args.methods:
         check_method(method)
     check_keep(args.keep, "--keep")
+    if args.memory_bound is None:
+        args.memory_bound = max(args.concurrency) // 4
+    if args.memory_bound and args.memory_bound >= max(args.concurrency):
+        raise ValueError(f"--memory-bound {args.memory_bound}: the KV budget must hold fewer unpruned requests than "
+                         f"the highest --concurrency ({max(args.concurrency)}); give a smaller number, or 0 to skip.")
     if not args.kv_budget_gib > 0:
         raise ValueError(f"--kv-budget-gib {args.kv_budget_gib}: give a positive number of GiB, e.g. 8.")
     for model in args.models.split(","):

@@ -1,0 +1,66 @@
+"""The serving benchmark's engines (``vtprune bench serving``), without vLLM: the 32-layer proxy's geometry, the
+memory-bound run's KV budget by hand, the engines' options (stock vLLM at its defaults) and the refusals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+from vtprune.eval.speed.serving import proxy_folder
+from vtprune.eval.speed.serving_engines import engine_options, layer_blocks, memory_bound_bytes
+from vtprune.eval.speed.serving_options import parse
+
+
+def _args(**changes) -> argparse.Namespace:
+    values = dict(max_model_len=1024, dtype="float32", concurrency=[1, 32], max_tokens=8)
+    values.update(changes)
+    return argparse.Namespace(**values)
+
+
+def test_the_default_proxy_has_llava_geometry_and_32_layers(tmp_path):
+    folder = proxy_folder("proxy576x32", tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]) ** 2 == 576
+    assert config["text_config"]["num_hidden_layers"] == 32 and config["image_seq_length"] == 576
+    assert parse(["--out", str(tmp_path / "out")]).models == "proxy576x32"
+
+
+def test_memory_bound_budget_by_hand(tmp_path):
+    # 594 prompt + 8 output tokens = 602: 5 blocks of 128 in each of 32 layers; a token in a layer holds
+    # 2 x 4 KV heads x 64 x 4 bytes = 2 KiB: 640 x 32 x 2 KiB = 40 MiB per request
+    folder = proxy_folder("proxy576x32", tmp_path)
+    assert memory_bound_bytes(folder, 8, 128, _args()) == 8 * 40 * 2**20
+    assert memory_bound_bytes(folder, 1, 32, _args(dtype="bfloat16")) == 19 * 32 * 32 * 1024  # ceil(602 / 32) = 19
+
+
+def test_stock_engine_keeps_vllms_defaults_and_pruned_engines_name_the_plugin(tmp_path):
+    folder = proxy_folder("proxy576x32", tmp_path)
+    stock = engine_options(folder, "proxy576x32", "none", 0.25, _args())
+    assert "enforce_eager" not in stock and "hf_overrides" not in stock and "enable_prefix_caching" not in stock
+    assert stock["load_format"] == "dummy" and stock["max_num_seqs"] == 32
+    pruned = engine_options(folder, "proxy576x32", "prefixkv", 0.25, _args(), kv_bytes=1234)
+    assert pruned["hf_overrides"]["vtprune"] == {"method": "prefixkv", "keep": 0.25}
+    assert pruned["kv_cache_memory_bytes"] == 1234
+
+
+def test_blocks_are_counted_per_layer_over_the_kv_groups():
+    # group 0: 2 layers, 5 blocks of the request; group 1: 6 layers, 2 blocks: (5 x 2 + 2 x 6) / 8 layers
+    groups = [SimpleNamespace(layer_names=["a", "b"]), SimpleNamespace(layer_names=list("cdefgh"))]
+    managers = [SimpleNamespace(req_to_blocks={"r": [0] * 5}), SimpleNamespace(req_to_blocks={"r": [0] * 2})]
+    scheduler = SimpleNamespace(kv_cache_config=SimpleNamespace(kv_cache_groups=groups),
+                                kv_cache_manager=SimpleNamespace(coordinator=SimpleNamespace(
+                                    single_type_managers=managers)))
+    assert layer_blocks(scheduler, "r") == pytest.approx(22 / 8)
+    assert layer_blocks(scheduler, "gone") is None
+
+
+def test_a_memory_bound_budget_that_holds_the_concurrency_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as error:
+        parse(["--concurrency", "1,8", "--memory-bound", "8", "--out", str(tmp_path / "out")])
+    assert error.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "fewer unpruned requests than the highest --concurrency (8)" in message[0]
+    assert parse(["--concurrency", "1,8", "--memory-bound", "0", "--out", str(tmp_path / "out")]).memory_bound == 0
+    assert parse(["--concurrency", "1,32", "--out", str(tmp_path / "out")]).memory_bound == 8  # a quarter
