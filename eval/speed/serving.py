@@ -287,7 +287,8 @@ def conditions(args: argparse.Namespace) -> str:
     import vtprune
 
     source = Path(vtprune.__file__).resolve().parents[1]  # the checkout the engines import (a worktree, maybe)
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=source, capture_output=True, text=True).stdout
+    sha = subprocess.run(["git", "describe", "--always", "--dirty=+changes"], cwd=source, capture_output=True,
+                         text=True).stdout
     return (f"vLLM {vllm.__version__} ({'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()}), "
             f"torch {torch.__version__}, {args.dtype}, vLLM's default compile mode (the plugin runs layer-wise "
             f"methods and PrefixKV eagerly), {os.cpu_count()} cores "
