@@ -41,6 +41,8 @@ NOT_YET = {
                  "its raters read the language model's input embeddings, which the runtime does not capture",
     "vispruner": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
                  "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
+    "hiprune": "it reads two vision-tower layers (an object layer and the feature layer) per crop, and the plugin's "
+               "tower hooks (visionzip, vflowopt) capture one",
 }
 #: The vLLM versions whose private multimodal APIs the plugin was tested on: [low, high).
 TESTED_VLLM = ((0, 32), (0, 33))
