@@ -1,6 +1,7 @@
 """`vtprune serve --method fastv` end to end: vLLM's OpenAI server on 127.0.0.1 with FastV inside the language model,
-base64 images, per-request keeps (clients may send ``vtprune_keep``; a misspelled key or a non-number is a 400), and
-a method the plugin cannot serve refused when an engine starts. The wait for the server has no time limit of its own
+base64 images, per-request keeps (clients may send ``vtprune_keep``; a misspelled key, a key the processor does not
+take, a non-number, a keep outside ``mm_processor_kwargs`` and ``prompt_logprobs`` are a 400), and a method the plugin
+cannot serve refused when an engine starts. The wait for the server has no time limit of its own
 (a loaded machine took over 12 minutes to start an engine): it ends when the server answers or exits, or when
 test.sh's overall timeout stops the run."""
 
@@ -52,7 +53,7 @@ def server():
     env = dict(os.environ, VTPRUNE_VLLM_PYTHON=sys.executable)
     process = subprocess.Popen([sys.executable, "-m", "vtprune", "serve", "embedded:qwen2_vl", "--method", "fastv",
                                 "--keep", "0.25", "--port", str(port), "--max-num-seqs", "4",
-                                "--trust-request-mm-kwargs"],
+                                "--trust-request-mm-kwargs", "--middleware", "vtprune.vllm.middleware.RequestKeyCheck"],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -97,12 +98,25 @@ def test_openai_server_answers_as_transformers_path(server, items):
 
 
 @pytest.mark.parametrize("kwargs, words", [({"vtprune_kep": 0.5}, "unknown request key"),
-                                           ({"vtprune_keep": True}, "not a number")])
+                                           ({"vtprune_keep": True}, "not a number"),
+                                           ({"ratio": 0.5}, "unknown request key.*'ratio'")])
 def test_a_keep_that_would_not_be_applied_is_a_bad_request(server, items, kwargs, words):
     base, model_name = server
     image, question = items[0]
     with pytest.raises(AssertionError, match=f"HTTP 400.*{words}"):
         post(base + "/v1/chat/completions", chat(image, question, model_name, mm_processor_kwargs=kwargs))
+
+
+@pytest.mark.parametrize("extra, words", [({"vtprune_keep": 0.5}, "'vtprune_keep' at the top level"),
+                                          ({"prompt_logprobs": 1}, "prompt_logprobs is not served")])
+def test_a_top_level_keep_and_prompt_logprobs_are_bad_requests(server, items, extra, words):
+    """A keep outside ``mm_processor_kwargs`` would be dropped by vLLM; pruned prompt positions have no exact
+    log-probability: both are refused in one line, and the server goes on."""
+    base, model_name = server
+    image, question = items[0]
+    with pytest.raises(AssertionError, match=f"HTTP 400.*{words}"):
+        post(base + "/v1/chat/completions", chat(image, question, model_name, **extra))
+    assert post(base + "/v1/chat/completions", chat(image, question, model_name))["choices"][0]["message"]["content"]
 
 
 def test_a_method_the_plugin_cannot_serve_is_refused_at_start(capfd):

@@ -3,9 +3,9 @@
 vLLM's OpenAI server drops a request body's unknown top-level fields with a debug log, so a client that sends
 ``{"vtprune_keep": 0.5, ...}`` (the OpenAI client's ``extra_body={"vtprune_keep": 0.5}``) would be served at the
 model's keep without a word. :class:`RequestKeyCheck` is an ASGI middleware (vLLM's ``--middleware
-vtprune.vllm.middleware.RequestKeyCheck``; ``vtprune serve`` adds it) that reads each JSON ``POST`` body, answers 400
-with one line when a top-level key names ``vtprune`` (the keep belongs in ``mm_processor_kwargs``), and otherwise hands
-the body on unchanged. Pure ASGI: no vLLM, Starlette or FastAPI import.
+vtprune.vllm.middleware.RequestKeyCheck``, which ``vtprune serve`` passes through) that reads each JSON ``POST``
+body, answers 400 with one line when a top-level key names ``vtprune`` (the keep belongs in ``mm_processor_kwargs``),
+and otherwise hands the body on unchanged. Pure ASGI: no vLLM, Starlette or FastAPI import.
 """
 
 from __future__ import annotations

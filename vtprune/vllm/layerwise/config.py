@@ -21,7 +21,7 @@ logger = logging.getLogger("vtprune.vllm")
 SCHEDULER = "vtprune.vllm.layerwise.scheduler.PruningScheduler"
 RETENTION_SCHEDULER = "vtprune.vllm.layerwise.retention_scheduler.RetentionScheduler"
 #: the logits processor whose ``validate_params`` refuses ``prompt_logprobs`` (:mod:`vtprune.vllm.layerwise.logprobs`)
-LOGPROBS_REFUSAL = "vtprune.vllm.layerwise.logprobs.PromptLogprobsRefusal"
+LOGPROBS_REFUSAL = "vtprune.vllm.layerwise.logprobs:PromptLogprobsRefusal"
 
 
 def deepstack_layers(hf_config: Any) -> int:

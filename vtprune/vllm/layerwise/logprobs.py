@@ -8,8 +8,8 @@ return numbers that look like log-probabilities, the engine refuses ``prompt_log
 ``logprobs`` are exact.
 
 vLLM seam: a custom logits processor's ``validate_params`` classmethod, which vLLM's front end calls for every request
-before it reaches the engine (a ``ValueError`` there is HTTP 400 from the OpenAI server, a ``ValueError`` from
-``LLM.generate``). The processor itself changes no logits. The front end sees the sampling parameters only, not
+before it reaches the engine (vLLM turns a ``ValueError`` there into its ``VLLMValidationError``: HTTP 400 from the
+OpenAI server, raised by ``LLM.generate``). The processor itself changes no logits. The front end sees the sampling parameters only, not
 whether the request prunes, so every request of such an engine is refused ``prompt_logprobs`` (text-only and keep
 1.0 requests too).
 """
