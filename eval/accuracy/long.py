@@ -15,7 +15,8 @@ counted in FLOPs and time). ``random`` and ``oracle`` (evidence tokens first) ar
 Per answer: exact match of the one-word answer, token-level evidence recall (``vtprune.eval.accuracy.long_items``),
 LM prefill FLOPs (``vtprune.flops``; ratio to the unpruned all-frames pass) and the wall time of
 ``generate`` (4 tokens, batch 1, vision tower included). Records are appended to ``records.jsonl`` as each
-question finishes (``--resume`` continues a stopped run); the summary CSV, Markdown and PNG are written by
+question finishes (``--resume`` continues a stopped run made with the same options, which ``run.json`` records:
+``vtprune.eval.accuracy.long_resume``); the summary CSV, Markdown and PNG are written by
 ``vtprune.eval.accuracy.long_report`` with the run conditions.
 """
 
