@@ -102,3 +102,17 @@ def test_settings_the_model_can_run_pass(cli, python):
                   ["--method", "pdrop"]):
         code, out, err = cli("serve", *words, "--dry-run")
         assert code == 0 and "api_server" in out, (words, err)
+
+
+@pytest.mark.parametrize("architecture,method,needle", [
+    ("LlavaNextForConditionalGeneration", "visionzip", "recomputes for LLaVA-1.5 and Qwen-VL only"),
+    ("LlavaOnevisionForConditionalGeneration", "temporal", "Qwen2-VL / Qwen2.5-VL video only"),
+    ("Qwen3VLForConditionalGeneration", "temporal", "Qwen2-VL / Qwen2.5-VL video only"),
+])
+def test_a_family_without_the_methods_input_is_refused_by_its_architecture(cli, python, tmp_path, architecture, method,
+                                                                             needle):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": [architecture]}))
+    code, out, err = cli("serve", str(folder), "--method", method, "--dry-run")
+    assert code == 2 and out == "" and needle in err and len(err.strip().splitlines()) == 1, err
