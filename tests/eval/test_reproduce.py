@@ -285,6 +285,10 @@ def test_pope_f1_is_the_mean_of_the_per_split_f1_with_llavas_answer_mapping(tmp_
     assert aggregate["pope_f1_llava"]([r["pope_f1_llava"] for r in records]) == pytest.approx(by_hand)
     pooled = aggregate["pope_f1_score"]([r["pope_f1_score"] for r in records])  # lmms-eval: exact "yes" / "no"
     assert pooled == pytest.approx(2 * (2 / 3) * 1.0 / (2 / 3 + 1.0))  # TP 2, FP 1; sentences count nowhere
+    from vtprune.eval.lmms_plugin.paper_tasks import llava_yes_no
+
+    # eval_pope.py's words are exact and case-sensitive: "Not" is none of No / no / not (the docstring's examples)
+    assert [llava_yes_no(a) for a in ("Not really.", "There is not.", "Nope", "no.")] == ["yes", "no", "yes", "no"]
 
 
 def test_pad_to_square_reaches_the_model_through_the_processor(tmp_path: Path) -> None:
