@@ -172,3 +172,63 @@ def test_mmtok_options_are_checked_and_the_lm_space_runs_batched():
     for row, sample in enumerate(samples):
         alone = _kept(model, tiny_inputs(processor, "llava_onevision", [sample]), "mmtok", vision_space="lm")
         assert alone == [stage[row:row + 1] for stage in batch]
+
+
+def _tiny_clip(folder, vision_config) -> None:
+    """A random CLIP checkpoint (character vocabulary, 8-token context) whose vision side matches ``vision_config``."""
+    import json
+    import string
+
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+
+    chars = list(string.ascii_lowercase + string.digits + "?.,!:'")
+    vocab = {token: i for i, token in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>",
+                                                                                     "<|endoftext|>"])}
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt")).save_pretrained(folder)
+    text = {"vocab_size": len(vocab), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "max_position_embeddings": 8, "eos_token_id": vocab["<|endoftext|>"],
+            "bos_token_id": vocab["<|startoftext|>"], "pad_token_id": 0}
+    torch.manual_seed(11)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision_config.to_dict(), projection_dim=16)).save_pretrained(folder)
+
+
+def test_cdpruner_text_tower_uses_clip_relevance_as_the_release(tmp_path):
+    """``text_tower``: ``e`` = CLIP's projected feature-layer patches, ``t`` = its text tower on the instruction
+    read back as text, in 8-token segments (here), ``-cos``: the pure rule on inputs computed here from the
+    unwrapped towers equals what the wrapped model keeps; a batch equals each sample alone; Qwen-VL refused."""
+    from transformers import AutoTokenizer, CLIPModel
+
+    from vtprune.config import keep_count
+    from vtprune.methods.cdpruner import select
+
+    model, processor = tiny_model("llava", "sdpa", image_size=112)
+    (tmp_path / "clip").mkdir()
+    _tiny_clip(tmp_path / "clip", model.config.vision_config)
+    processor.tokenizer.save_pretrained(tmp_path / "vlm")
+    model.name_or_path = str(tmp_path / "vlm")
+    clip, clip_tokenizer = CLIPModel.from_pretrained(tmp_path / "clip"), AutoTokenizer.from_pretrained(tmp_path / "clip")
+    samples = [(QUESTIONS[0], [random_image(96, 80, 5)]), (QUESTIONS[1], [random_image(64, 96, 6)])]
+    batch = _kept(model, tiny_inputs(processor, "llava", samples), "cdpruner", text_tower=str(tmp_path / "clip"))
+    for row, sample in enumerate(samples):
+        inputs = tiny_inputs(processor, "llava", [sample])
+        with torch.no_grad():
+            text = processor.tokenizer.decode(_instruction_ids(model, inputs), skip_special_tokens=True).strip()
+            ids = clip_tokenizer([text], return_tensors="pt")["input_ids"]
+            pad = -ids.shape[1] % 8
+            segments = torch.cat([ids, ids.new_zeros(1, pad)], dim=1).reshape(-1, 8)
+            mask = torch.cat([torch.ones_like(ids), ids.new_zeros(1, pad)], dim=1).reshape(-1, 8)
+            t = clip.get_text_features(input_ids=segments, attention_mask=mask).pooler_output
+            states = model.model.vision_tower(inputs["pixel_values"], output_hidden_states=True).hidden_states
+            patches = states[model.config.vision_feature_layer][0, 1:]
+            e = clip.visual_projection(model.model.vision_tower.post_layernorm(patches))
+            x = model.model.multi_modal_projector(patches)
+        assert segments.shape[0] >= 2  # the instruction spans several 8-token segments
+        expected = select(x, e, t, keep_count(0.4, x.shape[0]), negate=True).tolist()
+        alone = _kept(model, inputs, "cdpruner", text_tower=str(tmp_path / "clip"))
+        assert alone == [[expected]] and alone == [stage[row:row + 1] for stage in batch]
+    qwen, _ = _model("qwen2_vl")
+    with pytest.raises(ValueError, match="pairs with a CLIP vision tower; qwen2_vl"):
+        vtprune.wrap(qwen, "cdpruner", keep=0.4, text_tower=str(tmp_path / "clip"))
+    vtprune.wrap(qwen, "cdpruner", keep=0.4).remove()  # the refusal left no hook behind
