@@ -99,3 +99,15 @@ def test_the_vllm_plugin_refuses_it_at_start_up_in_one_line():
     with pytest.raises(ValueError, match="vispruner.*not available in the vLLM plugin.*features") as error:
         settings.VllmPruning.from_dict({"method": "vispruner", "keep": 0.25})
     assert "\n" not in str(error.value)
+
+
+def test_parity_release_takes_the_exact_tower_map():
+    model, processor = _model("qwen2_vl", "sdpa")
+    inputs = tiny_inputs(processor, "qwen2_vl", two_samples("qwen2_vl"))
+    kept = {}
+    for parity in ("default", "release"):
+        with vtprune.apply(model, "vispruner", keep=0.3, parity=parity) as handle, torch.no_grad():
+            model(**inputs)
+            kept[parity] = handle.last_stats.kept_indices
+            assert handle.scorer.queries == ("all" if parity == "release" else "auto")
+    assert kept["release"] == kept["default"]  # small images: "auto" is the exact map too

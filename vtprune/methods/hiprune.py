@@ -43,6 +43,7 @@ from vtprune.config import Stage
 from vtprune.methods import lm_inputs, options, tower, vit
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.methods.vispruner import pick_priority
 from vtprune.scoring import ScoreContext
 
@@ -99,6 +100,8 @@ class HiPrune(Scorer):
 
     name: ClassVar[str] = "hiprune"
     requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Danielement321/HiPrune",
+                                                 options=(("queries", "all"),))
     alpha: float = RELEASED_ALPHA
     object_layer: int | None = None
     vit_layer: int | None = None

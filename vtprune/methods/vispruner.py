@@ -42,6 +42,7 @@ from vtprune.config import Stage
 from vtprune.methods import lm_inputs, options, tower
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
 
 RELEASED_RATIO = 0.5  # --important_ratio default of the release's eval scripts
@@ -100,6 +101,8 @@ class VisPruner(Scorer):
 
     name: ClassVar[str] = "vispruner"
     requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Theia-4869/VisPruner",
+                                                 options=(("queries", "all"),))
     important_ratio: float = RELEASED_RATIO
     vit_layer: int | None = None
     queries: str | int = "auto"
