@@ -160,7 +160,7 @@ def check_keep(keep: Any, name: str = "keep") -> float:
     Numbers of any kind are numbers (:func:`plain_number`: NumPy scalars, 0-d tensors); bools of any kind
     (``True`` would read as 1.0) and strings (``'0.25'``) are refused."""
     value = plain_number(keep)
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number in (0, 1], got {keep!r} ({type(keep).__name__}); e.g. keep=0.25.")
     value = float(value)
     if not (0.0 < value <= 1.0) or math.isnan(value):
