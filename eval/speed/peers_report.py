@@ -10,7 +10,7 @@ from pathlib import Path
 
 COLUMNS = ("model", "model_label", "method", "angelslim_strategy", "keep", "side", "status", "transformers", "runs",
            "ttft_ms_p20", "ttft_ms_p50", "ttft_ms_p80", "e2e_ms_p20", "e2e_ms_p50", "e2e_ms_p80", "decode_ms_p50",
-           "peak_rss_mb_p50", "dense_ttft_ms_p50", "dense_e2e_ms_p50", "speedup_ttft", "speedup_e2e",
+           "peak_rss_mb_p50", "dense_peak_rss_mb_p50", "dense_ttft_ms_p50", "dense_e2e_ms_p50", "speedup_ttft", "speedup_e2e",
            "visual_tokens", "kept_tokens", "answers_equal_other", "answers_equal_dense", "dense_equal_across", "batch",
            "batch2",
            "new_tokens", "threads", "dtype", "attn", "torch", "git_sha", "date")
@@ -65,6 +65,7 @@ def summarise(kind: str, label: str, method: str, args, runs: dict[str, list[dic
             row[f"speedup_{name}"] = round(row[f"dense_{name}_ms_p50"] / row[f"{name}_ms_p50"], 3) if ok else ""
         row["decode_ms_p50"] = _p([r["decode_ms"] for r in ok], 50)
         row["peak_rss_mb_p50"] = _p([r["peak_bytes"] / 2**20 for r in ok], 50)
+        row["dense_peak_rss_mb_p50"] = _p([r["peak_bytes"] / 2**20 for r in dense], 50)
         row["visual_tokens"] = "/".join(sorted({str(r["visual"]) for r in ok}))
         row["kept_tokens"] = "/".join(sorted({str(r["kept"]) for r in ok}))
         row["answers_equal_other"] = _agree(answers[side], answers[other]) if other in answers else ""
@@ -119,15 +120,17 @@ def markdown(rows: list[dict], lines: list[str]) -> str:
     for kind in dict.fromkeys(r["model"] for r in rows):
         group = [r for r in rows if r["model"] == kind]
         out += [f"## {group[0]['model_label']}", "",
-                "| method (AngelSlim name) | side | TTFT ms p50 | e2e ms p50 | decode ms/token | speedup vs unpruned "
-                "TTFT / e2e | kept / visual | answers = other side | answers = unpruned | peak RSS MB | batch 2 |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| method (AngelSlim name) | side | TTFT ms p50 | e2e ms p50 | decode ms/token | unpruned TTFT / e2e ms "
+                "(same process) | speedup vs unpruned TTFT / e2e | kept / visual | answers = other side | answers = "
+                "unpruned | peak RSS MB (unpruned) | batch 2 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in group:
             status = "" if r["status"] == "ok" else f" ({r['status']})"
             out.append(f"| {r['method']} ({r['angelslim_strategy']}) | {r['side']}{status} | {r['ttft_ms_p50']} | "
-                       f"{r['e2e_ms_p50']} | {r['decode_ms_p50']} | {r['speedup_ttft']} / {r['speedup_e2e']} | "
+                       f"{r['e2e_ms_p50']} | {r['decode_ms_p50']} | {r['dense_ttft_ms_p50']} / {r['dense_e2e_ms_p50']} | "
+                       f"{r['speedup_ttft']} / {r['speedup_e2e']} | "
                        f"{r['kept_tokens']} / {r['visual_tokens']} | {r['answers_equal_other']} | "
-                       f"{r['answers_equal_dense']} | {r['peak_rss_mb_p50']} | {r['batch2']} |")
+                       f"{r['answers_equal_dense']} | {r['peak_rss_mb_p50']} ({r['dense_peak_rss_mb_p50']}) | {r['batch2']} |")
         out.append("")
     out += ["## Conditions", "", *lines, ""]
     return "\n".join(out)
