@@ -23,7 +23,7 @@ from vtprune.methods.sparsevlm import (
     stage_layers,
     text_raters,
 )
-from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
+from vtprune.models.tiny import TINY_TYPES, random_image, tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "release_sparsevlm.json"
@@ -172,7 +172,7 @@ def test_merge_keeps_cluster_means_in_centre_slots():
 
 
 # -- a batch with different questions equals each sample alone ---------------------------------------------
-@pytest.mark.parametrize("model_type", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("model_type", TINY_TYPES)
 def test_batch_equals_each_sample_alone_with_recycling(model_type):
     model, processor = _model(model_type)
     samples = [("what color is the circle?", [random_image(120, 90, 1)]),

@@ -39,6 +39,8 @@ NOT_YET = {
              "before the prompt's text embeddings are available to the plugin",
     "sparsevlm": "its recycling merges deleted tokens into new ones, a merge step the layer-wise runtime lacks, and "
                  "its raters read the language model's input embeddings, which the runtime does not capture",
+    "vscan": "it prunes in two places, a vision-tower stage with merging before the language model and a stage "
+             "inside it, and the plugin runs either a pre-LLM or a layer-wise method per model, not both",
     "vispruner": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
                  "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
     "hiprune": "it reads two vision-tower layers (an object layer and the feature layer) per crop, and the plugin's "
