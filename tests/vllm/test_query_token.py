@@ -4,8 +4,8 @@
 Before, FastV and PyramidDrop could prune the prompt's last token: vLLM then sampled from a zero row (a uniform
 distribution) and answered ``<pad>``. The last prompt token is never pruned (inside the kept count, the transformers
 path's own rule, ``vtprune.prefill.select_with_query``): the engine's kept tokens, greedy tokens and six steps of
-log-probabilities equal ``vtprune.wrap(model, method, keep=0.25)`` on the same raw prompts, on both embedded families,
-with chunked prefill (chunks of 8 tokens) and prefix caching on.
+log-probabilities equal ``vtprune.wrap(model, method, keep=0.25)`` on the same raw prompts, on both embedded families
+(Qwen2-VL: the first step, see :func:`first`), with chunked prefill (chunks of 8 tokens) and prefix caching on.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def raw_engine_steps(llm, images, text: str, **params):
             for o in outputs]
 
 
+def first(rows: list, family: str) -> list:
+    """Qwen2-VL: the first step only. Stock vLLM 0.32 and transformers 5.19 decode a Qwen2-VL prompt that ends on its
+    image differently from the second generated token on, unpruned too (measured on the embedded model: other
+    tokens at step 2), so only the prefill's step compares there; LLaVA: every step."""
+    if family == "llava":
+        return rows
+    return [(row[0][:1], *row[1:-1], row[-1][:1]) for row in rows]
+
+
 @pytest.mark.parametrize("family, method", CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def test_a_prompt_ending_on_an_image_keeps_its_last_token(family, method, items):
     from vtprune.vllm.export import model_folder
@@ -64,10 +73,10 @@ def test_a_prompt_ending_on_an_image_keeps_its_last_token(family, method, items)
         selections(llm)
         got = raw_engine_steps(llm, images, RAW[family])
         assert sorted(selections(llm)) == sorted(w[1] for w in want)
-        assert step_gap(got, want) < TOLERANCE
+        assert step_gap(first(got, family), first(want, family)) < TOLERANCE
         if method == "fastv":  # prompt_logprobs: one line at the request, the engine goes on
             with pytest.raises(Exception, match="prompt_logprobs is not served with a layer-wise pruning method"):
                 raw_engine_steps(llm, images[:1], RAW[family], prompt_logprobs=1)
-            assert step_gap(raw_engine_steps(llm, images, RAW[family]), want) < TOLERANCE
+            assert step_gap(first(raw_engine_steps(llm, images, RAW[family]), family), first(want, family)) < TOLERANCE
     finally:
         shutdown(llm)
