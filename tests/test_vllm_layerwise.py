@@ -261,7 +261,7 @@ def test_a_top_level_keep_is_a_bad_request_at_the_server():
     import asyncio
     import json
 
-    from vtprune.vllm.middleware import RequestKeyCheck
+    from vtprune.vllm.middleware import OPTION, RequestKeyCheck, server_options
 
     def call(body: dict) -> tuple[list, list]:
         seen, sent = [], []
@@ -280,6 +280,7 @@ def test_a_top_level_keep_is_a_bad_request_at_the_server():
         asyncio.run(RequestKeyCheck(app)({"type": "http", "method": "POST"}, receive, send))
         return seen, sent
 
+    assert server_options(["--port", "1"]) == list(OPTION) and server_options(list(OPTION)) == []
     good = {"model": "m", "mm_processor_kwargs": {"vtprune_keep": 0.5}}
     assert call(good) == ([good], [])  # handed on unchanged
     seen, sent = call({"model": "m", "vtprune_keep": 0.5})

@@ -20,6 +20,12 @@ from vtprune.vllm.settings import REQUEST_KEY
 OPTION = ("--middleware", "vtprune.vllm.middleware.RequestKeyCheck")
 
 
+def server_options(given: list[str]) -> list[str]:
+    """:data:`OPTION` for a vLLM server command whose other options are ``given``, unless they already add it."""
+    named = any(arg == OPTION[1] or arg == f"{OPTION[0]}={OPTION[1]}" for arg in given)
+    return [] if named else list(OPTION)
+
+
 def misplaced_keys(body: bytes) -> str | None:
     """The one-line refusal of a JSON request ``body`` with a top-level key naming ``vtprune``, else None (a body that
     is not a JSON object is left to vLLM)."""
