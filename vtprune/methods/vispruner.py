@@ -68,16 +68,19 @@ def important_diverse(attention: torch.Tensor, features: torch.Tensor, count: in
     important, residual = order[:n_important], order[n_important:]
     if need <= 0:
         return important
-    normed = features.float() / features.float().norm(dim=-1, keepdim=True)
+    normed = features.float()[residual]
+    normed = normed / normed.norm(dim=-1, keepdim=True)
+    similarity = normed @ normed.T  # once [R, R]: each round reads its a x b block (R^2 D, not R^3 D / 48)
+    local = torch.arange(residual.numel(), device=residual.device)
     while True:
-        drop = min(step, residual.numel() - need)
+        drop = min(step, local.numel() - need)
         if drop <= 0:
             break
-        a, b = residual[0::2], residual[1::2]
-        best = (normed[a] @ normed[b].T).max(dim=-1).values
+        a, b = local[0::2], local[1::2]
+        best = similarity[a][:, b].max(dim=-1).values
         survivors = torch.sort(best, descending=True, stable=True).indices[drop:]
-        residual = torch.cat([a[survivors], b])
-    return torch.cat([important, residual])
+        local = torch.cat([a[survivors], b])
+    return torch.cat([important, residual[local]])
 
 
 def pick_priority(values: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
