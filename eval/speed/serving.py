@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
 
         forwarded = sys.argv[1:] if argv is None else argv
         return subprocess.call([vllm_python(), "-m", "vtprune.eval.speed.serving", *forwarded])
-    from vtprune.eval.speed.serving_engines import engine_blocks, memory_bound_bytes
+    from vtprune.eval.speed.serving_engines import engine_blocks, memory_bound
 
     from vtprune.vllm.export import cache_root, model_folder
 
@@ -381,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": model, "blocks": blocks}), flush=True)
         measured = measure_vllm(model, folder, methods, args.keep, args)
         if args.memory_bound:
-            budget = memory_bound_bytes(folder, args.memory_bound, blocks["none"]["engine_block_size"], args)
-            measured += measure_vllm(model, folder, methods, args.keep, args, [max(args.concurrency)], budget)
+            bound, budget = memory_bound(folder, args.memory_bound, blocks["none"]["engine_block_size"], args)
+            measured += measure_vllm(model, folder, methods, args.keep, bound, [max(args.concurrency)], budget)
         for row in measured:
             row.update(blocks[row["method"]])
         rows += measured

@@ -45,6 +45,17 @@ def engine_options(folder: Path, model: str, method: str, keep: float, args: arg
     return options
 
 
+def memory_bound(folder: Path, requests: int, block_size: int, args: argparse.Namespace
+                 ) -> tuple[argparse.Namespace, int]:
+    """The memory-bound run's options (``max_model_len``: the benchmark's request in whole blocks, so that vLLM
+    accepts a budget of a few requests) and its KV bytes (:func:`memory_bound_bytes`)."""
+    config = json.loads((folder / "config.json").read_text())
+    visual = (config["vision_config"]["image_size"] // config["vision_config"]["patch_size"]) ** 2
+    length = -(-(visual + PROMPT_TEXT + args.max_tokens) // block_size) * block_size
+    bound = argparse.Namespace(**{**vars(args), "max_model_len": min(args.max_model_len, length)})
+    return bound, memory_bound_bytes(folder, requests, block_size, args)
+
+
 def memory_bound_bytes(folder: Path, requests: int, block_size: int, args: argparse.Namespace) -> int:
     """KV bytes that hold ``requests`` unpruned requests (prompt + ``--max-tokens``, whole blocks of ``block_size``
     in every layer, ``--dtype``): the memory-bound run's ``kv_cache_memory_bytes``."""

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 from vtprune.eval.speed.serving import proxy_folder
-from vtprune.eval.speed.serving_engines import engine_options, layer_blocks, memory_bound_bytes
+from vtprune.eval.speed.serving_engines import engine_options, layer_blocks, memory_bound, memory_bound_bytes
 from vtprune.eval.speed.serving_options import parse
 
 
@@ -33,6 +33,8 @@ def test_memory_bound_budget_by_hand(tmp_path):
     folder = proxy_folder("proxy576x32", tmp_path)
     assert memory_bound_bytes(folder, 8, 128, _args()) == 8 * 40 * 2**20
     assert memory_bound_bytes(folder, 1, 32, _args(dtype="bfloat16")) == 19 * 32 * 32 * 1024  # ceil(602 / 32) = 19
+    bound, budget = memory_bound(folder, 8, 128, _args())
+    assert budget == 8 * 40 * 2**20 and bound.max_model_len == 640  # one request in whole blocks: vLLM accepts it
 
 
 def test_stock_engine_keeps_vllms_defaults_and_pruned_engines_name_the_plugin(tmp_path):
