@@ -9,10 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 from cases import two_samples
+from vtprune.adapters.base import VisualSegment
 
 import vtprune
 from vtprune.config import keep_count
-from vtprune.methods.hiprune import QWEN_OBJECT, anchor_count, hierarchical_select, scaled_object_layer
+from vtprune.methods.hiprune import (
+    QWEN_OBJECT,
+    anchor_count,
+    group_widths,
+    hierarchical_select,
+    scaled_object_layer,
+)
+from vtprune.methods.per_frame import frame_ids
 from vtprune.models.tiny import tiny_inputs, tiny_model
 
 torch.set_num_threads(1)
@@ -51,6 +59,12 @@ def test_anchors_buffers_and_registers_by_hand():
 def test_anchor_count_rounds_half_to_even_as_released():
     assert [anchor_count(c, 0.1) for c in (192, 128, 64, 320)] == [4, 3, 1, 6]
     assert anchor_count(25, 0.5) == 2 and anchor_count(35, 0.5) == 4
+
+
+def test_each_video_frame_is_a_group_with_its_grid_width():
+    segments = [VisualSegment(0, 1, 2, 5, kind="image"), VisualSegment(10, 3, 2, 3, kind="video")]
+    assert group_widths(segments) == [5, 3, 3, 3]
+    assert frame_ids(segments, 28).unique().tolist() == [0, 1, 2, 3]  # the same groups, in the same order
 
 
 def test_default_object_layers_scale_the_releases():

@@ -83,6 +83,12 @@ def hierarchical_select(shallow: torch.Tensor, deep: torch.Tensor, count: int, w
     return torch.cat([cross, ranked[: count - cross.numel()]])
 
 
+def group_widths(segments: list) -> list[int]:
+    """Row length ``w`` of each group (image, or frame of a video) of one sample, in the order of
+    :func:`vtprune.methods.per_frame.frame_ids`: a segment with ``t > 1`` frames gives ``t`` groups."""
+    return [int(s.w) for s in segments for _ in range(int(s.t) if s.t > 1 else 1)]
+
+
 def scaled_object_layer(depth: int, full: list[int] | None = None, released: tuple[int, int] = CLIP_OBJECT) -> int:
     """0-based object layer of a ``depth``-layer tower: the release's ``released = (layer, of)`` scaled
     (``round(depth * layer / of) - 1``, at least 0), moved to the nearest of ``full`` blocks when given (ties: the
@@ -156,7 +162,7 @@ class HiPrune(Scorer):
         alive = ctx.visual & ctx.valid
 
         def priority(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
-            widths = [s.w for s in ctx.segments[row] for _ in range(max(int(s.t), 1))]
+            widths = group_widths(ctx.segments[row])
             out = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
             for group in groups[alive[row]].unique().tolist():
                 slots = (alive[row] & (groups == group)).nonzero().flatten()
