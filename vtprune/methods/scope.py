@@ -1,0 +1,152 @@
+"""SCOPE (Deng et al., "SCOPE: Saliency-Coverage Oriented Token Pruning for Efficient Multimodel LLMs", NeurIPS
+2025, arXiv:2510.24214; release kinredon/SCOPE, also shipped by Tencent/AngelSlim's token_compressor): the tokens
+that add the most attention-weighted coverage of the image's tokens, before the language model.
+
+Of the ``T`` tokens a crop keeps, greedily (:func:`saliency_coverage_order`, the release's ``SCOPE``): with
+``s_ij`` the cosine similarity of tokens ``i`` and ``j`` and ``c_i`` how well the kept set covers token ``i``
+(``max`` of ``s_ij`` over the kept ``j``; 0 before the first pick), each step keeps the unkept token ``j`` with
+the largest SCOPE score ``sum_i max(s_ij - c_i, 0) * a_j ** alpha`` (``a_j``: the saliency, the attention the token
+receives in the vision encoder; ties: the earlier token). Release defaults: ``alpha = 1.0`` (``ALPHA``), the
+product of coverage gain and saliency (``COMBINED=multi``).
+
+Families (the release runs LLaVA-1.5 and LLaVA-NeXT):
+
+* **CLIP** (LLaVA-1.5 / NeXT): the [CLS] row of the feature layer's attention (``attentions[-2]``, CLS column
+  dropped; the release sums the heads, vtprune averages them: the same picks, up to rounding) and the feature
+  layer's output before the projector for the similarity (``hidden_states[-2]``), as the authors' release. **Per
+  crop**: every crop keeps its own ``T = keep x patches`` (the release divides its count over the crops of
+  LLaVA-NeXT), laid out as the model packs them (:func:`vtprune.methods.tower.crop_table`); an image keeps
+  vtprune's ``keep x N0``: picks first, in pick order, then the rest by attention.
+* **SigLIP** (LLaVA-OneVision; no [CLS]): the attention received from all queries (mean), per crop, as above.
+* **Qwen2/2.5/3-VL** (no [CLS]; AngelSlim's ``scope`` rule for Qwen2.5-VL): the attention a merged token
+  receives from all queries of the last full-attention ViT block (AngelSlim: ``layer_idx=-1``, the sum over a
+  2x2 unit) and the LLM-input embeddings for the similarity, per image or video frame, each keeping
+  ``keep_count(keep, n)``. Qwen3-VL (DeepStack) prunes at layer ``n`` on the same maps.
+
+``features="lm"`` takes AngelSlim's LLaVA rule: the similarity of the LLM-input embeddings (after the projector),
+per image (base view and tiles apart) instead of per crop. Where vtprune differs from AngelSlim: AngelSlim
+selects over every visual token of a sample at once (one budget for all its images); vtprune gives each image (or
+frame) its own share, as the authors' release does per image. Text-agnostic. ``vit_layer`` picks another layer;
+``queries`` as VisionZip's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from vtprune.config import Stage
+from vtprune.methods import lm_inputs, options, tower
+from vtprune.methods.base import Capture, Scorer
+from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
+from vtprune.methods.vispruner import pick_priority
+from vtprune.scoring import ScoreContext
+
+RELEASED_ALPHA = 1.0  # ALPHA=1.0 in the release's run scripts; AngelSlim's configs: alpha 1.0
+KEY = "scope"
+FEATURES = ("auto", "lm")
+
+
+# -- pure functions ----------------------------------------------------------------------------------------
+def saliency_coverage_order(saliency: torch.Tensor, features: torch.Tensor, count: int,
+                            alpha: float = RELEASED_ALPHA) -> torch.Tensor:
+    """The first ``min(count, n)`` picks ``[k]`` of SCOPE's greedy selection of one crop, in pick order.
+
+    saliency: ``[n]`` attention received (``>= 0``); features: ``[n, D]`` the tokens' features (cosine similarity).
+    Each step: the unpicked ``j`` maximising ``sum_i max(s_ij - c_i, 0) * saliency_j ** alpha`` (``c``: the
+    coverage so far, starting at 0); ties: the earlier token.
+    """
+    n = saliency.shape[0]
+    count = min(int(count), n)
+    unit = features.float()
+    unit = unit / unit.norm(dim=-1, keepdim=True)
+    similarity = unit @ unit.T  # [n, n]: s_ij
+    weight = saliency.float() ** alpha
+    covered = torch.zeros(n, dtype=torch.float32, device=saliency.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=saliency.device)
+    picks = torch.empty(count, dtype=torch.long, device=saliency.device)
+    for step in range(count):
+        gain = (similarity - covered[:, None]).clamp_min(0).sum(dim=0) * weight
+        pick = torch.argmax(gain.masked_fill(taken, float("-inf")))
+        picks[step] = pick
+        taken[pick] = True
+        covered = torch.maximum(covered, similarity[pick])
+    return picks
+
+
+@register_method
+@dataclass(frozen=True)
+class Scope(Scorer):
+    """Saliency-weighted coverage gain (greedy), per crop or image, pre-LLM (SCOPE)."""
+
+    name: ClassVar[str] = "scope"
+    requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="kinredon/SCOPE",
+                                                 options=(("queries", "all"),))
+    alpha: float = RELEASED_ALPHA
+    features: str = "auto"
+    vit_layer: int | None = None
+    queries: str | int = "auto"
+
+    def __post_init__(self) -> None:
+        options.number(self.alpha, "alpha", 0.0,
+                       hint=" (the saliency's exponent in the SCOPE score; the release: 1.0)")
+        if self.features not in FEATURES:
+            raise ValueError(f"features={self.features!r}: use 'auto' (the feature layer's output on LLaVA towers, as "
+                             "the authors' release) or 'lm' (the LLM-input embeddings, AngelSlim's rule).")
+
+    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
+        return (Stage(0, keep),)
+
+    def per_image(self, adapter: Any) -> bool:
+        """Whether selection runs per image on LLM-input embeddings (Qwen-VL, ``features="lm"``), not per crop."""
+        return tower.is_qwen(adapter) or self.features == "lm"
+
+    def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
+        maps = tower.captures(adapter, KEY, self.vit_layer, self.name, "auto", self.queries)
+        if self.per_image(adapter):
+            later = any(s.layer > 0 for s in stages)
+            return (*maps, *((lm_inputs.lm_input_capture(adapter),) if later else ()))
+        index = tower.resolve_layer(adapter, self.vit_layer, self.name)
+        return (*maps, tower.feature_capture(adapter, index, KEY + "_features"))
+
+    def score(self, ctx: ScoreContext) -> torch.Tensor:
+        if self.per_image(ctx.adapter):
+            return self._score_images(ctx)
+        table = ctx.state.get(KEY + "_table")
+        if table is None or ctx.state.get(KEY + "_keep") != ctx.stage.keep:
+            attention = tower.crop_records(ctx, KEY, self.name)
+            features = tower.crop_records(ctx, KEY + "_features", self.name)
+            quota = ctx.kept_count(attention.shape[1])
+            priority = torch.stack([pick_priority(a, saliency_coverage_order(a, f, quota, self.alpha))
+                                    for a, f in zip(attention, features, strict=True)])
+            table = tower.crop_table(ctx, priority, self.name)
+            ctx.state[KEY + "_table"], ctx.state[KEY + "_keep"] = table, ctx.stage.keep
+        values = table.gather(1, ctx.ordinal.clamp(min=0))
+        return lm_inputs.per_image_scores(ctx, lambda row, groups, quota: values[row])
+
+    def _score_images(self, ctx: ScoreContext) -> torch.Tensor:
+        """Each image or frame picks from its tokens' attention and LLM-input embeddings."""
+        attention, _ = tower.token_maps(ctx, KEY, self.name)
+        attention = attention.gather(1, ctx.ordinal.clamp(min=0))
+        embeddings = lm_inputs.input_embeddings(ctx)
+        alive = ctx.visual & ctx.valid
+
+        def priority(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
+            for group in groups[alive[row]].unique().tolist():
+                slots = (alive[row] & (groups == group)).nonzero().flatten()
+                values = attention[row, slots]
+                # a few picks beyond the quota settle the engine's rounding differences between images
+                picks = saliency_coverage_order(values, embeddings[row, slots].to(values.device),
+                                                int(quota[group]) + len(quota), self.alpha)
+                out[slots] = pick_priority(values, picks).to(out.device)
+            return out
+
+        return lm_inputs.per_image_scores(ctx, priority)
+
+
+__all__ = ["Scope", "saliency_coverage_order"]
