@@ -232,3 +232,12 @@ def test_cdpruner_text_tower_uses_clip_relevance_as_the_release(tmp_path):
     with pytest.raises(ValueError, match="pairs with a CLIP vision tower; qwen2_vl"):
         vtprune.wrap(qwen, "cdpruner", keep=0.4, text_tower=str(tmp_path / "clip"))
     vtprune.wrap(qwen, "cdpruner", keep=0.4).remove()  # the refusal left no hook behind
+
+
+@pytest.mark.parametrize("method", TEXT_METHODS)
+def test_parity_release_keeps_the_default_selection(method):
+    """The defaults are the releases' rules: ``parity="release"`` (vtprune's count, original positions) selects
+    the same tokens."""
+    model, processor = _model("llava")
+    inputs = tiny_inputs(processor, "llava", [(QUESTIONS[1], [random_image(96, 80, 5)])])
+    assert _kept(model, inputs, method, parity="release") == _kept(model, inputs, method)

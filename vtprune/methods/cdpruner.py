@@ -42,6 +42,7 @@ from vtprune.config import Stage
 from vtprune.methods import lm_inputs, tower
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
 
 CLIP_KEY = "cdpruner_clip"
@@ -217,6 +218,7 @@ class CDPruner(Scorer):
     """Instruction-conditioned DPP (fast greedy MAP) over the LLM-input embeddings per image, pre-LLM (CDPruner)."""
 
     name: ClassVar[str] = "cdpruner"
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Theia-4869/CDPruner")
     relevance_weight: float | None = None
     text_tower: str | None = None
 

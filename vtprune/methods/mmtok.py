@@ -33,6 +33,7 @@ from vtprune.config import Stage
 from vtprune.methods import lm_inputs, tower
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.scoring import ScoreContext
 
 KEY = "mmtok"
@@ -115,6 +116,7 @@ class MMTok(Scorer):
     """Greedy coverage of the instruction's tokens and the image's own tokens per image, pre-LLM (MMTok)."""
 
     name: ClassVar[str] = "mmtok"
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Ironieser/MMTok")
     alpha: float = 0.5
     tv_temperature: float | None = None
     vv_temperature: float = 0.2
