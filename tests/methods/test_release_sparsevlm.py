@@ -17,6 +17,8 @@ from vtprune.methods.sparsevlm import (
     PRESETS,
     cluster_means,
     dpc_knn,
+    rank_count,
+    rater_rows,
     recycle_count,
     recycle_deleted,
     sparsevlm_schedule,
@@ -70,6 +72,45 @@ def test_release_raters_kept_and_recycled(index):
     torch.testing.assert_close(merged, torch.tensor(expected["merged"]), atol=2e-5, rtol=0)
     recycled, _ = recycle_count(slots.numel())
     assert recycled == len(expected["recycled"])
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_release_rank_rule_of_the_first_release(index):
+    """``count="rank"``: the first release's ``attn_postprocess_rank`` (91fb6d9, scale 13.5) on the same inputs."""
+    case = _release()["cases"][index]
+    prefix, nv = case["prefix"], case["visual"]
+    start = prefix + nv
+    embeds = torch.tensor(case["embeds"])
+    raters = text_raters(embeds[prefix:start], embeds[start:]).nonzero().flatten()
+    query, key = torch.tensor(case["query"])[None], torch.tensor(case["key"])[None]
+    positions = (raters + start)[None]
+    valid = torch.ones(1, key.shape[2], dtype=torch.bool)
+    rows = rater_rows(query[:, :, positions[0]], key, positions, valid, key.shape[-1] ** -0.5)[0]
+    count = rank_count(rows[:, prefix:start], nv)
+    relevance = rows[:, prefix:start].mean(dim=0)
+    assert sorted(torch.topk(relevance, count).indices.tolist()) == case["expected"]["rank_kept"]
+
+
+def test_rank_count_by_hand():
+    # rank 2 of a 2 x 10 matrix: int(2 * 13.5) = 27, capped at N - 1 = 9; with N = 40: 27; rank = N: keep all.
+    rows = torch.tensor([[1.0, 0.0] + [0.5] * 8, [0.0, 1.0] + [0.25] * 8])
+    assert rank_count(rows, 10) == 9
+    assert rank_count(torch.cat([rows, torch.zeros(2, 30)], dim=1), 40) == 27
+    assert rank_count(torch.eye(3), 3) == 3
+
+
+def test_rank_rule_schedule_and_batch():
+    stages = sparsevlm_schedule(32, 0.25, count="rank")
+    assert [s.layer for s in stages] == [3, 7, 16, 20] and all(s.keep == 1.0 for s in stages)
+    model, processor = _model("qwen2_vl")
+    samples = [("what color is the circle?", [random_image(120, 90, 1)]), ("how many?", [random_image(64, 80, 2)])]
+    batch = tiny_inputs(processor, "qwen2_vl", samples)
+    with vtprune.apply(model, "sparsevlm", keep=0.3, count="rank") as handle, torch.no_grad():
+        model(**batch)
+        stats = handle.last_stats
+        for row, sample in enumerate(samples):
+            model(**tiny_inputs(processor, "qwen2_vl", [sample]))
+            assert handle.last_stats.kept_indices == [stage[row:row + 1] for stage in stats.kept_indices]
 
 
 # -- hand-computed -----------------------------------------------------------------------------------------

@@ -18,9 +18,11 @@ preset exactly (as fractions of ``N0``). Without it ``keep`` is, as everywhere i
 fraction, and the earlier stages follow the shape of the preset whose last fraction is nearest to ``keep``.
 
 Release: Gumpest/SparseVLMs ``main`` (26a5f48, ``USE_VERSION=1_0``, identical to the ``v1.5`` branch head
-734d900 in this selection). The paper's first version (and the repository's first commit) chose the count
-adaptively, ``rank(A_raters,visual) * 13.5``; every release since v1.5 uses the fixed presets, which vtprune
-follows (the rank rule is not implemented). Differences (docs/methods.md): per sample in a batch (the release
+734d900 in this selection). The paper's rank-based count (the repository's first commit, 91fb6d9) is
+``count="rank"``: at four stages (after layers 2, 6, 15, 19 of 32) each sample keeps ``min(int(rank(P) 13.5),
+N - 1)`` of its ``N`` visual tokens (all when ``rank(P) = N``), ``P`` the head-mean rater-to-visual attention
+rows (:func:`rank_count`), so ``keep`` is unused; every release since v1.5 uses the fixed presets, the default.
+Differences (docs/methods.md): per sample in a batch (the release
 runs batch 1); float32 rater selection; no random 1e-6 jitter on the cluster densities (ties: the earlier
 token); merged tokens sit in their centre's slot and keep its position (the release appends them after the
 kept visual tokens and renumbers positions: ``parity="release"`` compacts positions, not the order).
@@ -46,6 +48,9 @@ RELEASE_LAYERS = (2, 6, 15)  # of 32: the release prunes these layers' outputs (
 RELEASE_TOKENS = 576
 PRESETS = {192: (300, 200, 110), 128: (303, 110, 36), 96: (238, 48, 26), 64: (66, 30, 17)}
 RATERS = "sparsevlm_raters"
+RANKS = "sparsevlm_ranks"
+RANK_LAYERS, RANK_SCALE = (2, 6, 15, 19), 13.5  # the first release (91fb6d9): pruning_loc, scale
+COUNTS = ("preset", "rank")
 
 
 # -- pure functions ------------------------------------------------------------------------------------------
@@ -116,6 +121,25 @@ def recycle_deleted(hidden: torch.Tensor, relevance: torch.Tensor, ratio: float 
     return chosen[centres], cluster_means(hidden[chosen], assign, clusters)
 
 
+def rater_rows(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+    """Head-mean causal attention rows ``[B, R, L]`` (fp32) of the rater queries ``[B, H, R, d]`` at ``positions``
+    ``[B, R]`` over keys ``[B, H_kv, L, d]`` (``key_valid`` ``[B, L]``), softmax over every valid key."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    key = key.repeat_interleave(heads // kv_heads, dim=1).float()
+    logits = query.float() @ key.transpose(-1, -2) * scaling
+    slots = torch.arange(key.shape[2], device=key.device)
+    allowed = key_valid[:, None, None, :].to(key.device) & (slots[None, None, None, :] <= positions[:, None, :, None])
+    return logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).mean(dim=1)
+
+
+def rank_count(rows: torch.Tensor, alive: int, scale: float = RANK_SCALE, bias: float = 0.0) -> int:
+    """Tokens the paper's rank rule keeps (the first release, ``attn_postprocess_rank``): ``r = rank(P)`` of the
+    rater-to-visual attention ``P`` ``[R, N]``; all ``N`` when ``r = N``, else ``min(int(r scale + bias), N - 1)``."""
+    rank = int(torch.linalg.matrix_rank(rows.float()))
+    return alive if alive == rank else min(int(rank * scale + bias), alive - 1)
+
+
 def stage_layers(num_layers: int, layers: tuple[int, ...] = RELEASE_LAYERS) -> list[int]:
     """Stage layers (0-based "prune before") for the release's pruned outputs ``layers`` of 32, scaled; a stage
     that would collide with the previous one moves one layer on, and one past the last layer is dropped."""
@@ -139,9 +163,13 @@ def schedule_keeps(keep: float, retain: int | None = None) -> tuple[float, float
     return tuple(min(1.0, keep * c / preset[-1]) for c in preset)  # type: ignore[return-value]
 
 
-def sparsevlm_schedule(num_layers: int, keep: float, retain: int | None = None) -> tuple[Stage, ...]:
+def sparsevlm_schedule(num_layers: int, keep: float, retain: int | None = None, count: str = "preset"
+                       ) -> tuple[Stage, ...]:
     """SparseVLM's stages: before layers 3, 7, 16 of 32 (scaled) with :func:`schedule_keeps`; when the depth
-    leaves fewer stages, the last one keeps the last fraction."""
+    leaves fewer stages, the last one keeps the last fraction. ``count="rank"``: before 3, 7, 16, 20 keeping 1.0
+    (the merge step then keeps the rank rule's count, :func:`rank_count`)."""
+    if count == "rank":
+        return tuple(Stage(layer, 1.0) for layer in stage_layers(num_layers, RANK_LAYERS))
     layers = stage_layers(num_layers)
     keeps = schedule_keeps(keep, retain)
     chosen = [*keeps[: len(layers) - 1], keeps[-1]]
@@ -160,6 +188,8 @@ class SparseVLM(Scorer):
     release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="compact",
                                                  source="Gumpest/SparseVLMs v1.5 / main (USE_VERSION=1_0)")
     retain: int | None = None
+    count: str = "preset"
+    rank_scale: float = RANK_SCALE
     recycle: bool = True
     recycle_ratio: float = 0.3
     cluster_size: int = 10
@@ -168,13 +198,17 @@ class SparseVLM(Scorer):
         if self.retain is not None and self.retain not in PRESETS:
             raise ValueError(f"retain={self.retain!r} must be one of the release's presets {sorted(PRESETS)} "
                              "(its layer-averaged token counts of 576), or None to end the schedule at keep.")
+        if self.count not in COUNTS:
+            raise ValueError(f"count={self.count!r}: use 'preset' (the release's fixed counts per stage) or 'rank' (the "
+                             "paper's rank-adaptive count, int(rank * rank_scale); keep and retain are then unused).")
+        options.number(self.rank_scale, "rank_scale", 0.0, low_open=True, hint=" (the first release: 13.5)")
         options.flag(self.recycle, "recycle")
         options.number(self.recycle_ratio, "recycle_ratio", 0.0, 1.0, hint=" (share of deleted tokens recycled; "
                        "release: 0.3)")
         options.integer(self.cluster_size, "cluster_size", 1)
 
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        return sparsevlm_schedule(num_layers, keep, self.retain)
+        return sparsevlm_schedule(num_layers, keep, self.retain, self.count)
 
     def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
         """The language model's input embeddings (the raters are chosen on them)."""
@@ -184,16 +218,23 @@ class SparseVLM(Scorer):
         index, mask = rater_queries(ctx)
         query, key = ctx.adapter.project_qk(ctx.layer, ctx.hidden, ctx.position_embeddings, index)
         device = query.device
+        scaling = float(getattr(ctx.layer.self_attn, "scaling", query.shape[-1] ** -0.5))
         scores = visual_attention_scores(
             query, key, query_positions=index.to(device), key_valid=ctx.valid.to(device),
-            query_valid=mask.to(device), check=False,
-            scaling=float(getattr(ctx.layer.self_attn, "scaling", query.shape[-1] ** -0.5)))
+            query_valid=mask.to(device), check=False, scaling=scaling)
+        if self.count == "rank":
+            rows = rater_rows(query, key, index.to(device), ctx.valid, scaling)
+            alive = (ctx.visual & ctx.valid).to(device)
+            ctx.state[RANKS] = [rank_count(rows[b][mask[b].to(device)][:, alive[b]], int(alive[b].sum()), self.rank_scale)
+                                if bool(alive[b].any()) else 0 for b in range(rows.shape[0])]
         scores = scores.to(ctx.valid.device)
         return scores if ctx.attention_filter is None else ctx.attention_filter(ctx, scores)
 
     def merge(self, ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor,
               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Recycling: cluster the most relevant deleted tokens of each sample and keep the cluster means."""
+        if self.count == "rank":
+            kept = rank_selection(ctx, kept, scores)
         deleted = ctx.visual & ctx.valid & ~kept
         if not self.recycle or not bool(deleted.any()):
             return kept, hidden
@@ -208,6 +249,20 @@ class SparseVLM(Scorer):
             hidden[row, targets] = merged.to(hidden.dtype)
             kept[row, targets] = True
         return kept, hidden
+
+
+def rank_selection(ctx: ScoreContext, kept: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``kept`` with each sample's alive visual slots cut to the rank rule's count (top scores; ties: the earlier)."""
+    counts = ctx.state.pop(RANKS, None)
+    if counts is None:
+        raise RuntimeError("sparsevlm count='rank' found no rank for this stage (score() runs before merge()).")
+    alive = ctx.visual & ctx.valid
+    out = kept & ~alive
+    for row, count in enumerate(counts):
+        slots = alive[row].nonzero().flatten()
+        order = torch.sort(-scores[row, slots].float(), stable=True).indices[:count]
+        out[row, slots[order]] = True
+    return out
 
 
 def rater_queries(ctx: ScoreContext) -> tuple[torch.Tensor, torch.Tensor]:
