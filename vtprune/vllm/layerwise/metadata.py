@@ -3,8 +3,9 @@
 vLLM seam (``vllm.v1.attention.backend.CommonAttentionMetadata``, the runner's ``attn_groups``, ``input_batch``
 and the forward context's per-layer ``attn_metadata`` / ``slot_mapping`` dicts): for every pruned region, a
 ``CommonAttentionMetadata`` of the region's rows (:class:`vtprune.vllm.layerwise.layout.RegionLayout`) goes through
-the group's ``AttentionGroup.build_metadata``, so the CPU backend, FlashAttention and FlashInfer each build their own
-metadata (scheduler plans included) from the same counts; the result and the region's slot mapping replace the
+the group's ``AttentionGroup.build_metadata`` (:func:`vtprune.vllm.versions.build_metadata`: vLLM 0.31 spells it
+differently), so the CPU backend, FlashAttention and FlashInfer each build their own metadata (scheduler plans
+included) from the same counts; the result and the region's slot mapping replace the
 layers' entries in the forward context for one forward, then the runner's entries come back.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from vtprune.vllm.layerwise.layout import RegionLayout, slot_mapping
+from vtprune.vllm.versions import build_metadata
 
 
 def region_groups(runner: Any) -> dict[int, list[int]]:
@@ -86,7 +88,7 @@ class ForwardContextSwap:
         for gid in region_groups(runner).get(region, []):
             common = common_metadata(runner, gid, layout, device)
             for attention_group in runner.attn_groups[gid]:
-                metadata = attention_group.build_metadata(common)
+                metadata = build_metadata(attention_group, common)
                 for name in attention_group.layer_names:
                     self._set(context.attn_metadata, name, metadata)
                     self._set(context.slot_mapping, name, common.slot_mapping)
@@ -99,7 +101,7 @@ class ForwardContextSwap:
         context = get_forward_context()
         gid, attention_group = layer_group(runner, layer_name)
         common = common_metadata(runner, gid, layout, device)
-        self._set(context.attn_metadata, layer_name, attention_group.build_metadata(common))
+        self._set(context.attn_metadata, layer_name, build_metadata(attention_group, common))
         self._set(context.slot_mapping, layer_name, common.slot_mapping)
 
     def _set(self, table: dict, name: str, value: Any) -> None:
