@@ -1,4 +1,5 @@
-"""MMTok (Dong et al., "MMTok: Multimodal Coverage Maximization for Efficient Inference of VLMs", arXiv:2508.18264):
+"""MMTok (Dong et al., "MMTok: Multimodal Coverage Maximization for Efficient Inference of VLMs", ICLR 2026,
+arXiv:2508.18264):
 the visual tokens that best cover both the request's text tokens and the image's own tokens, before the LLM.
 
 Per image (or frame), greedy maximum coverage (the release's ``mm_coverage_selection``): with ``x`` the visual
