@@ -241,3 +241,26 @@ def test_parity_release_keeps_the_default_selection(method):
     model, processor = _model("llava")
     inputs = tiny_inputs(processor, "llava", [(QUESTIONS[1], [random_image(96, 80, 5)])])
     assert _kept(model, inputs, method, parity="release") == _kept(model, inputs, method)
+
+
+@pytest.mark.parametrize("method", TEXT_METHODS)
+def test_a_prompt_ending_with_its_image_has_no_instruction(method):
+    """No text after the image: CDPruner's relevance is uniform (its kernel is the plain similarity, as with
+    ``relevance_weight=0``: ``exp(0) = 1``), MMTok covers the image's tokens only; batched with a question."""
+    model, processor = _model("llava")
+    processor.tokenizer.padding_side = "left"
+    images = [random_image(96, 80, 5), random_image(64, 96, 6)]
+    texts = ["USER: describe <image>", f"USER: <image>\n{QUESTIONS[0]} ASSISTANT:"]
+    batch = dict(processor(text=texts, images=images, return_tensors="pt", padding=True))
+    alone = dict(processor(text=texts[:1], images=images[:1], return_tensors="pt"))
+    kept = _kept(model, batch, method)
+    assert _kept(model, alone, method) == [stage[:1] for stage in kept]
+    if method == "cdpruner":  # the plain DPP of the projector's outputs, computed here
+        from vtprune.config import keep_count
+        from vtprune.methods.cdpruner import conditional_kernel, dpp_greedy_order
+
+        with torch.no_grad():
+            states = model.model.vision_tower(alone["pixel_values"], output_hidden_states=True).hidden_states
+            x = model.model.multi_modal_projector(states[model.config.vision_feature_layer][0, 1:])
+        picks = dpp_greedy_order(conditional_kernel(x, torch.ones(x.shape[0])), keep_count(0.4, x.shape[0]))
+        assert kept[0][0] == sorted(picks.tolist())
