@@ -260,3 +260,13 @@ def test_parity_release_compacts_positions_on_llava_and_is_refused_on_mrope():
         assert handle.plan.positions == "compact" and len(handle.last_stats.kept) == 2
     with pytest.raises(ValueError, match="M-RoPE"):
         vtprune.wrap(_model("qwen2_vl")[0], "sparsevlm", keep=0.3, parity="release")
+
+
+def test_parity_release_debias_is_the_released_patch_first_stage_only():
+    model, processor = _model("llava")
+    batch = tiny_inputs(processor, "llava", [("what color?", [random_image(120, 90, 1)])])
+    with vtprune.apply(model, "sparsevlm+debias", keep=0.3, parity="release") as handle, torch.no_grad():
+        model(**batch)
+        scorer = handle.scorer
+        assert scorer.stages == (0,) and scorer.debiaser.tau == 0.5 and scorer.debiaser.default.sigma == 1.95
+        assert len(handle.last_stats.kept) == 2

@@ -39,6 +39,7 @@ from vtprune.config import Stage
 from vtprune.kernels import visual_attention_scores
 from vtprune.methods import lm_inputs, options
 from vtprune.methods.base import Capture, Scorer
+from vtprune.methods.debias import ReleaseDebias, Trend
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
 from vtprune.methods.schedules import scaled_layer
@@ -51,6 +52,9 @@ RATERS = "sparsevlm_raters"
 RANKS = "sparsevlm_ranks"
 RANK_LAYERS, RANK_SCALE = (2, 6, 15, 19), 13.5  # the first release (91fb6d9): pruning_loc, scale
 COUNTS = ("preset", "rank")
+#: The debiasing release's SparseVLM patch (intcomp/attention-bias): per-benchmark ``exp(-sigma x)`` weights (sigma
+#: 1.33-2.67, mean 1.95) with the padding mask (``tau`` about 0.5) at the first sparsification layer only.
+SPARSEVLM_DEBIAS = ReleaseDebias(Trend(sigma=1.95), tau=0.5, first_stage_only=True)
 
 
 # -- pure functions ------------------------------------------------------------------------------------------
@@ -185,7 +189,7 @@ class SparseVLM(Scorer):
     name: ClassVar[str] = "sparsevlm"
     requires: ClassVar[frozenset[str]] = frozenset({"attention"})
     score_offset: ClassVar[int] = 1
-    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="compact",
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="compact", debias=SPARSEVLM_DEBIAS,
                                                  source="Gumpest/SparseVLMs v1.5 / main (USE_VERSION=1_0)")
     retain: int | None = None
     count: str = "preset"
