@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv (and the Debian package the browser tests use), then run the whole test suite in parallel workers;
-# then the core contract tests on the lowest supported transformers (.venv-min); then the vLLM plugin tests.
-# For a whole-suite run the installs that the main suite does not wait for (.venv-min, the vLLM venv) and the apt
+# then the core contract tests on the lowest supported transformers (.venv-min); then the vLLM plugin tests, and
+# their smoke subset on the previous tested vLLM minor (VLLM_SMOKE below).
+# For a whole-suite run the installs that the main suite does not wait for (.venv-min, the vLLM venvs) and the apt
 # package start in the background at once, each logging to its own file: a failed one prints its log and fails
 # the run. Workers: VTPRUNE_TEST_WORKERS (default: the CPU count, at most 4; 0 runs the suite in this process).
 set -uo pipefail
@@ -12,6 +13,19 @@ for arg in "$@"; do case "$arg" in -*) ;; *) whole=0 ;; esac; done
 run_min=0; run_vllm=0
 [ "$whole" = "1" ] && [ "${VTPRUNE_SKIP_MIN:-0}" != "1" ] && run_min=1
 [ "$whole" = "1" ] && [ "${VTPRUNE_SKIP_VLLM:-0}" != "1" ] && run_vllm=1
+# The smoke subset of tests/vllm on the previous tested vLLM minor too (VLLM_PREV; skip: VTPRUNE_SKIP_VLLM_PREV=1)
+VLLM_PREV=${VTPRUNE_VLLM_PREV:-0.31.0}
+run_vllm_prev=0
+[ "$run_vllm" = "1" ] && [ "${VTPRUNE_SKIP_VLLM_PREV:-0}" != "1" ] && run_vllm_prev=1
+# one test of each path on both embedded families: pre-LLM (divprune), layer-wise (FastV), KV retention (PrefixKV);
+# and the private-API check of the installed vLLM
+VLLM_SMOKE=(tests/vllm/test_api_check.py
+  tests/vllm/test_llava.py::TestLlava::test_equals_transformers_path
+  tests/vllm/test_qwen.py::TestQwen2VL::test_equals_transformers_path
+  "tests/vllm/test_layerwise.py::test_pruned_requests_equal_the_transformers_path[llava-fastv]"
+  "tests/vllm/test_layerwise.py::test_pruned_requests_equal_the_transformers_path[qwen2_vl-fastv]"
+  "tests/vllm/test_prefixkv.py::test_prefixkv_equals_the_transformers_path[llava]"
+  "tests/vllm/test_prefixkv.py::test_prefixkv_equals_the_transformers_path[qwen2_vl]")
 
 started=$SECONDS
 phase_start=$SECONDS
@@ -59,6 +73,8 @@ trap 'exit 143' TERM
 start_bg system-deps bash scripts/system-deps.sh
 [ "$run_min" = "1" ] && start_bg setup-min bash scripts/setup_min.sh
 [ "$run_vllm" = "1" ] && start_bg setup-vllm bash scripts/setup_vllm.sh
+[ "$run_vllm_prev" = "1" ] && start_bg setup-vllm-prev env VTPRUNE_VLLM_VERSION="$VLLM_PREV" VTPRUNE_VLLM_VENV= \
+  bash scripts/setup_vllm.sh
 
 # --- the main suite -------------------------------------------------------------------------------------------
 bash scripts/setup.sh || exit 1
@@ -107,5 +123,14 @@ if [ "$run_vllm" = "1" ]; then
   OMP_NUM_THREADS=1 timeout --kill-after=60 2700 "$vllm_venv/bin/python" -m pytest -q -o faulthandler_timeout=900 \
     -o timeout=2400 "${vllm_xdist[@]}" tests/vllm || exit $?
   phase "vLLM suite"
+fi
+# The smoke subset on the previous tested minor (scripts/setup_vllm.sh with VTPRUNE_VLLM_VERSION=$VLLM_PREV, started in
+# the background above), so a user pinned one minor back is served; same workers and hang guards.
+if [ "$run_vllm_prev" = "1" ]; then
+  finish_bg setup-vllm-prev --show || exit 1
+  phase "set up the vLLM $VLLM_PREV venv (waited for)"
+  OMP_NUM_THREADS=1 timeout --kill-after=60 1800 "$HOME/.cache/vtprune/venv-vllm-$VLLM_PREV/bin/python" -m pytest -q \
+    -o faulthandler_timeout=900 -o timeout=1500 "${vllm_xdist[@]}" "${VLLM_SMOKE[@]}" || exit $?
+  phase "vLLM $VLLM_PREV smoke subset"
 fi
 exit 0

@@ -107,3 +107,27 @@ def test_main_reports_and_fails_on_a_missing_name(tmp_path, capsys):
     assert api_check.main([str(vllm)]) == 1  # the real plugin's imports are not in the fake tree
     out = capsys.readouterr().out
     assert "MISSING" in out and "vLLM 0.99.0 at" in out
+
+
+def test_the_smoke_subset_in_test_sh_names_existing_tests_and_a_tested_minor():
+    """test.sh's VLLM_SMOKE entries name test files and functions that exist (a rename cannot empty the smoke run),
+    and the previous minor it installs is in the tested set."""
+    import re
+
+    from vtprune.vllm.settings import TESTED_VLLM, version_tuple
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "test.sh").read_text()
+    block = re.search(r"^VLLM_SMOKE=\((.*?)\)$", script, re.S | re.M)
+    assert block is not None
+    entries = [e.strip('"') for e in block.group(1).split()]
+    assert len(entries) >= 5
+    for entry in entries:
+        path, *parts = entry.split("::")
+        text = (root / path).read_text()
+        shared = "".join(p.read_text() for p in (root / "tests" / "vllm").glob("*.py"))  # inherited test methods
+        for index, part in enumerate(parts):
+            found = rf"^\s*(def|class) {re.escape(part.split('[')[0])}\b"
+            assert re.search(found, text if index == 0 else shared, re.M), entry
+    previous = re.search(r"VLLM_PREV=\$\{VTPRUNE_VLLM_PREV:-([0-9.]+)\}", script)
+    assert previous is not None and version_tuple(previous.group(1)) in TESTED_VLLM
