@@ -144,3 +144,19 @@ def test_the_vllm_plugin_refuses_it_at_start_up_in_one_line():
     with pytest.raises(ValueError, match="idpruner.*not available in the vLLM plugin") as error:
         settings.VllmPruning.from_dict({"method": "idpruner", "keep": 0.25})
     assert "\n" not in str(error.value)
+
+
+def test_parity_release_needs_the_selector(tmp_path):
+    model, processor = _model("llava")
+    with pytest.raises(ValueError, match="parity='release' for 'idpruner'.*needs selector=") as error:
+        vtprune.wrap(model, "idpruner", keep=0.25, parity="release")
+    assert "\n" not in str(error.value)
+    inputs = tiny_inputs(processor, "llava", two_samples("llava"))
+    folder, _ = _selector_folder(tmp_path, _llava_embeddings(model, inputs).shape[-1])
+    kept = {}
+    for parity in ("default", "release"):
+        with vtprune.apply(model, "idpruner", keep=0.3, selector=str(folder), parity=parity) as handle, \
+                torch.no_grad():
+            model(**inputs)
+            kept[parity] = handle.last_stats.kept_indices
+    assert kept["release"] == kept["default"]  # with a selector the default is the release's rule

@@ -26,7 +26,9 @@ Qwen2.5-VL); LLaVA-NeXT / OneVision base view and tiles are images apart (:func:
 group_ids`); Qwen3-VL (DeepStack) prunes at layer ``n`` on the embeddings that entered the LLM. Where vtprune
 differs from the release: the release keeps ``round(N (1 - ratio))`` of all ``N`` visual tokens of a sample at
 once (one normalisation and one budget over its images); vtprune runs the selector once per sample but
-normalises and selects per image, each keeping ``keep_count(keep, n)`` (a single image: the same). Text-agnostic.
+normalises and selects per image, each keeping ``keep_count(keep, n)`` (a single image: the same; the release's
+``round`` is vtprune's). ``parity="release"`` sets ``importance="selector"`` (refused without ``selector``).
+Text-agnostic.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from vtprune.config import Stage
 from vtprune.methods import lm_inputs, options, tower
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
+from vtprune.methods.release import ReleaseRule
 from vtprune.methods.vispruner import pick_priority
 from vtprune.scoring import ScoreContext
 
@@ -152,6 +155,8 @@ class IDPruner(Scorer):
 
     name: ClassVar[str] = "idpruner"
     requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
+    release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Tencent/AngelSlim",
+                                                 options=(("importance", "selector"),))
     mmr_lambda: float = RELEASED_LAMBDA
     parallel_k: int = RELEASED_PARALLEL_K
     importance: str = "auto"
