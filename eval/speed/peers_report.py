@@ -159,7 +159,7 @@ def plot(rows: list[dict], path: Path) -> None:
                 if dense:
                     ax.axhline(sorted(dense)[len(dense) // 2], color=f"C{k}", ls="--", lw=1,
                                label=f"unpruned ({side}'s transformers)")
-            ax.set_xticks(range(len(methods)), methods)
+            ax.set_xticks(range(len(methods)), methods, rotation=20, fontsize=8)
             ax.set_ylabel(f"{'time to first token' if name == 'ttft' else 'generate end to end'} (ms, p50)")
             ax.set_title(f"{group[0]['model_label'] if group else kind}", fontsize=9)
             ax.legend(fontsize=7)
@@ -182,3 +182,23 @@ def write_results(rows: list[dict], args, worker_info: dict) -> None:
             writer.writerow({**{c: row.get(c, "") for c in COLUMNS}, **stamp})
     (out / "peers.md").write_text(markdown(rows, conditions(args, worker_info)))
     plot(rows, out / "peers.png")
+
+
+def replot(folder: Path) -> Path:
+    """Redraw ``peers.png`` from the ``peers.csv`` in ``folder`` (e.g. after a change to :func:`plot`)."""
+    with (Path(folder) / "peers.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    for row in rows:
+        for name in ("ttft", "e2e"):
+            for key in (f"{name}_ms_p50", f"dense_{name}_ms_p50"):
+                row[key] = float(row[key]) if row[key] else float("nan")
+    plot(rows, Path(folder) / "peers.png")
+    return Path(folder) / "peers.png"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "peers.csv").is_file():
+        sys.exit("usage: python -m vtprune.eval.speed.peers_report FOLDER (a folder holding peers.csv)")
+    print(replot(Path(sys.argv[1])))
