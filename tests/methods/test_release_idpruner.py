@@ -125,6 +125,25 @@ def test_a_batch_equals_each_sample_alone(model_type):
             assert handle.last_stats.kept_indices[0] == [batch[row]]
 
 
+def _norm_selector(vision_hidden: torch.Tensor) -> torch.Tensor:
+    """A selector callable: each token's embedding norm ``[1, N, D] -> [1, N]``."""
+    return vision_hidden.norm(dim=-1)
+
+
+def test_a_selector_callable_scores_each_sample_alone():
+    model, processor = _model("qwen2_5_vl", "sdpa")
+    samples = two_samples("qwen2_5_vl")
+    with vtprune.apply(model, "idpruner", keep=0.3, selector=_norm_selector) as handle, torch.no_grad():
+        model(**tiny_inputs(processor, "qwen2_5_vl", samples))
+        batch = handle.last_stats.kept_indices[0]
+        for row, sample in enumerate(samples):
+            model(**tiny_inputs(processor, "qwen2_5_vl", [sample]))
+            assert handle.last_stats.kept_indices[0] == [batch[row]]
+    with vtprune.apply(model, "idpruner", keep=0.3) as handle, torch.no_grad():
+        model(**tiny_inputs(processor, "qwen2_5_vl", samples))
+        assert handle.last_stats.kept_indices[0] != batch  # the selector's scores, not the tower's attention
+
+
 def test_bad_options_are_refused_in_one_line(tmp_path):
     model, _ = _model("llava")
     with pytest.raises(ValueError, match="mmr_lambda=2"):

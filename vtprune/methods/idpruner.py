@@ -36,7 +36,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -163,7 +163,6 @@ class IDPruner(Scorer):
     selector: Any = None
     vit_layer: int | None = None
     queries: str | int = "auto"
-    _model: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         options.number(self.mmr_lambda, "mmr_lambda", 0.0, 1.0,
@@ -180,10 +179,14 @@ class IDPruner(Scorer):
             model = load_selector(model)
         elif model is not None and not callable(model):
             raise ValueError(f"selector={model!r}: give a folder path or a callable [1, N, D] -> [1, N].")
-        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_model", model)  # the loaded selector: not an option, not compared
+
+    def selector_model(self) -> Any:
+        """The callable scoring ``[1, N, D] -> [1, N]`` (loaded from ``selector``), or None."""
+        return getattr(self, "_model", None)
 
     def uses_selector(self) -> bool:
-        return self.importance != "attention" and self._model is not None
+        return self.importance != "attention" and self.selector_model() is not None
 
     def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
         return (Stage(0, keep),)
@@ -202,7 +205,7 @@ class IDPruner(Scorer):
             for row in range(alive.shape[0]):
                 slots = alive[row].to(embeddings.device)
                 if bool(slots.any()):
-                    raw[row, slots] = selector_scores(self._model, embeddings[row, slots]).to(raw.device)
+                    raw[row, slots] = selector_scores(self.selector_model(), embeddings[row, slots]).to(raw.device)
         else:
             raw = tower.token_maps(ctx, KEY, self.name)[0].gather(1, ctx.ordinal.clamp(min=0))
 
