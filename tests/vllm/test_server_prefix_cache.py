@@ -26,6 +26,9 @@ from test_server import chat, free_port, post
 
 FAMILIES = ("llava", "llava_next", "llava_onevision")
 TOKENS = 4
+#: after the question, so that the prompt runs at least 32 tokens past the image: the full blocks (of 32 tokens) the
+#: repeat reads from the prefix cache then cover the image, whose data vLLM strips
+TAIL = " Answer with one word, then stop, please." * 4
 
 
 def wait_for(process: subprocess.Popen, base: str, log: str) -> str:
@@ -59,7 +62,8 @@ def served(request, tmp_path_factory):
     env = dict(os.environ, VTPRUNE_VLLM_PYTHON=sys.executable)
     command = [sys.executable, "-m", "vtprune", "serve", model, "--method", "fastv", "--keep", "0.25", "--port",
                str(port), "--max-num-seqs", "2", "--trust-request-mm-kwargs", "--enable-prefix-caching",
-               "--enable-prompt-tokens-details", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"]
+               "--enable-prompt-tokens-details", "--block-size", "32", "--dtype", "float32", "--max-model-len", "512",
+               "--enforce-eager"]
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -80,12 +84,13 @@ def ask(base: str, body: dict) -> dict:
 
 def test_a_repeat_at_keep_one_hits_the_prefix_cache_and_the_server_goes_on(served, items):
     base, name, folder = served
-    image, question = items[0]
+    image, question = items[0][0], items[0][1] + TAIL
     model, processor = reference.load_folder(folder)
     unpruned = reference_steps(model, processor, [(image, question)], None, 1.0, steps=TOKENS)[0][0]
     pruned = reference_steps(model, processor, [(image, question)], "fastv", 0.25, steps=TOKENS)[0][0]
     whole = chat(image, question, name, mm_processor_kwargs={"vtprune_keep": 1.0})
     first, second = ask(base, whole), ask(base, whole)
-    assert (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) > 0  # the repeat hit the cache
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached > 0 and second["usage"]["prompt_tokens"] - cached <= 32  # every full block: the image's too
     assert first["choices"][0]["token_ids"] == second["choices"][0]["token_ids"] == unpruned
     assert ask(base, chat(image, question, name))["choices"][0]["token_ids"] == pruned  # keep 0.25, still serving
