@@ -1,6 +1,6 @@
 """Layer-wise methods (FastV, PyramidDrop, TransPrune, TTV, DART, ``+debias``) inside vLLM's language model.
 
-One module per concern, each over one seam of vLLM's private API (pinned to the tested vLLM minor,
+One module per concern, each over one seam of vLLM's private API (checked on the tested vLLM minors,
 :data:`vtprune.vllm.settings.TESTED_VLLM`; docs/serving.md lists the seams):
 
 * :mod:`~vtprune.vllm.layerwise.plan` (pure): the stages and each request's pruned count per layer region.

@@ -54,7 +54,7 @@ class PrunedManager(FullAttentionManager):
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args: Any, **kwargs: Any) -> int:
         args = list(args)
-        if len(args) >= 4:  # num_tokens_main_model (vLLM 0.32: the sixth positional argument)
+        if len(args) >= 4:  # num_tokens_main_model (vLLM 0.31-0.33: the sixth positional argument)
             args[3] = self._slots(request_id, args[3])
         return super().get_num_blocks_to_allocate(request_id, self._slots(request_id, num_tokens), *args, **kwargs)
 
