@@ -68,8 +68,10 @@ def saliency_coverage_order(saliency: torch.Tensor, features: torch.Tensor, coun
     covered = torch.zeros(n, dtype=torch.float32, device=saliency.device)
     taken = torch.zeros(n, dtype=torch.bool, device=saliency.device)
     picks = torch.empty(count, dtype=torch.long, device=saliency.device)
+    excess = torch.empty_like(similarity)  # reused each step: max(s_ij - c_i, 0)
     for step in range(count):
-        gain = (similarity - covered[:, None]).clamp_min(0).sum(dim=0) * weight
+        torch.sub(similarity, covered[:, None], out=excess)
+        gain = excess.clamp_(min=0).sum(dim=0) * weight
         pick = torch.argmax(gain.masked_fill(taken, float("-inf")))
         picks[step] = pick
         taken[pick] = True
