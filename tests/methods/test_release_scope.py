@@ -72,11 +72,12 @@ def test_llava_keeps_the_release_selection_of_the_unwrapped_towers_maps(features
     assert kept[1] == expected[1] + [tokens + i for i in expected[2]]  # the second sample's two images
 
 
-@pytest.mark.parametrize("model_type", ["llava_next", "qwen2_5_vl"])
-def test_a_batch_equals_each_sample_alone(model_type):
+@pytest.mark.parametrize(("model_type", "features"), [("llava_next", "auto"), ("llava_next", "lm"),
+                                                     ("llava_onevision", "auto"), ("qwen2_5_vl", "auto")])
+def test_a_batch_equals_each_sample_alone(model_type, features):
     model, processor = _model(model_type, "sdpa")
     samples = two_samples(model_type)
-    with vtprune.apply(model, "scope", keep=0.3) as handle, torch.no_grad():
+    with vtprune.apply(model, "scope", keep=0.3, features=features) as handle, torch.no_grad():
         model(**tiny_inputs(processor, model_type, samples))
         batch = handle.last_stats.kept_indices[0]
         for row, sample in enumerate(samples):
