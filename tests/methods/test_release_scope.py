@@ -98,7 +98,7 @@ def test_bad_options_are_refused_in_one_line():
 def test_the_vllm_plugin_refuses_it_at_start_up_in_one_line():
     from vtprune.vllm import settings
 
-    with pytest.raises(ValueError, match="scope.*not available in the vLLM plugin.*features") as error:
+    with pytest.raises(ValueError, match="scope.*not available in the vLLM plugin.*not wired") as error:
         settings.VllmPruning.from_dict({"method": "scope", "keep": 0.25})
     assert "\n" not in str(error.value)
 

@@ -45,8 +45,8 @@ NOT_YET = {
                  "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
     "hiprune": "it reads two vision-tower layers (an object layer and the feature layer) per crop, and the plugin's "
                "tower hooks (visionzip, vflowopt) capture one",
-    "scope": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
-             "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
+    "scope": "its coverage greedy is not wired into the plugin's tower path yet (it reads vispruner's maps: the "
+             "feature layer's attention and output per crop on LLaVA-1.5, attention and embeddings on Qwen-VL)",
     "idpruner": "its MMR ranks the LLM-input embeddings by a Vision Selector model's or the vision tower's scores, "
                 "and the plugin's pre-LLM path does not run a selector model or join tower scores to embeddings yet",
 }
