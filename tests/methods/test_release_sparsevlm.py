@@ -270,3 +270,22 @@ def test_parity_release_debias_is_the_released_patch_first_stage_only():
         scorer = handle.scorer
         assert scorer.stages == (0,) and scorer.debiaser.tau == 0.5 and scorer.debiaser.default.sigma == 1.95
         assert len(handle.last_stats.kept) == 2
+
+
+def test_stage_keeps_the_raters_top_tokens_of_the_models_own_attention():
+    """The engine's stage before layer 2 on tiny LLaVA keeps the top visual tokens by the raters' attention that
+    the unwrapped model itself returns at layer 1 (eager ``output_attentions``), raters chosen on its layer-0
+    input (``hidden_states[0]``): independent of the engine's q/k recomputation."""
+    model, processor = tiny_model("llava", "eager", image_size=112)
+    batch = tiny_inputs(processor, "llava", [("how many squares are there in the picture?", [random_image(120, 90, 3)])])
+    with torch.no_grad():
+        out = model(**batch, output_attentions=True, output_hidden_states=True)
+    visual = (batch["input_ids"][0] == model.config.image_token_id).nonzero().flatten()
+    text = torch.arange(int(visual.max()) + 1, batch["input_ids"].shape[1])
+    embeds = out.hidden_states[0][0]
+    raters = text[text_raters(embeds[visual], embeds[text])]
+    relevance = out.attentions[1][0].mean(dim=0)[raters][:, visual].mean(dim=0)
+    expected = sorted(torch.topk(relevance, visual.numel() // 2).indices.tolist())
+    with vtprune.apply(model, "sparsevlm", schedule="2:0.5", recycle=False) as handle, torch.no_grad():
+        model(**batch)
+        assert handle.last_stats.kept_indices[0][0] == expected

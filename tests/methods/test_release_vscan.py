@@ -165,3 +165,18 @@ def test_vllm_serve_refuses_vscan_at_start_up_in_one_line(cli):
     code, _, err = cli("serve", "--method", "vscan")
     assert code == 2 and "'vscan' is not available in the vLLM plugin" in err
     assert err.count("\n") == 1
+
+
+def test_tower_stage_keeps_the_scans_of_the_towers_own_attention():
+    """The engine's tower stage on tiny LLaVA (8 x 8 CLIP grid, windows 2 x 2 -> 16) keeps what the pure scans
+    select from the CLS rows the vision tower itself returns (``output_attentions``; independent of tower.py)."""
+    model, processor = tiny_model("llava", "eager", image_size=112)
+    batch = tiny_inputs(processor, "llava", [("what color?", [random_image(120, 90, 1)])])
+    with torch.no_grad():
+        out = model.model.vision_tower(batch["pixel_values"], output_attentions=True)
+    cls = [a[0, :, 0, 1:].mean(dim=0) for a in out.attentions]  # [64] per layer: shallow 1 (option), deep 0
+    windows, count = window_ids(8, 8, 1, 2)
+    expected = sorted(global_local_scan(cls[1], cls[0], windows, count, 32).tolist())
+    with vtprune.apply(model, "vscan", schedule="0:0.5", shallow_layer=1) as handle, torch.no_grad():
+        model(**batch)
+        assert handle.last_stats.kept_indices[0][0] == expected

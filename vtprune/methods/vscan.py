@@ -205,7 +205,8 @@ class VScan(Scorer):
         return self.tower_scores(ctx)
 
     def tower_scores(self, ctx: ScoreContext) -> torch.Tensor:
-        """Scores of the tower stage: the scans' picks first (2 + deep attention), then deep attention."""
+        """Scores of the tower stage: the scans' picks first (2 + deep attention / its maximum), then the rest by
+        deep attention."""
         shallow, _ = tower.token_maps(ctx, SHALLOW, self.name)
         deep, _ = tower.token_maps(ctx, DEEP, self.name)
         size, rule = self.window_size(ctx.adapter), self.rule
@@ -213,6 +214,7 @@ class VScan(Scorer):
         def values(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
             ordinal = ctx.ordinal[row]
             out = deep[row].gather(0, ordinal.clamp(min=0)).float()
+            out = out / out.abs().max().clamp_min(1e-12)  # in [0, 1] (Qwen sums 4 patches): the picks' +2 ranks first
             windows, counts = sample_windows(ctx.segments[row], ctx.visual_counts[row], size)
             for group in range(quota.numel()):
                 members = ((groups == group) & (ordinal >= 0)).nonzero().flatten()
