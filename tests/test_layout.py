@@ -23,7 +23,8 @@ FOLDERS = {
     "vllm": "vtprune/vllm",  # run in the vLLM venv (test.sh), not collected here
 }
 PROJECT_WIDE = {"test_architecture.py", "test_layout.py", "test_packaging.py", "test_project_files.py",
-                "test_readme_examples.py", "test_vllm_plugin.py", "test_vllm_layerwise.py"}  # vLLM plugin: pure parts
+                "test_readme_examples.py", "test_vllm_plugin.py", "test_vllm_layerwise.py",
+                "test_vllm_versions.py"}  # vLLM plugin: pure parts
 NOT_TESTS = {"data", "__pycache__"}
 MAX_LINES = 400
 
