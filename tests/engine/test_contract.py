@@ -50,7 +50,7 @@ def _options(case: str, model_type: str) -> tuple[str, dict]:
         options["parity"] = "release"
     if model_type == "qwen3_vl" and method in (*MULTI_STAGE, "vflowopt"):
         options["schedule"] = "2:0.6,3:0.4"
-    if method == "vflowopt":
+    if method in ("vflowopt", "sparsevlm", "vscan"):
         options["recycle"] = False  # the reference gathers tokens; recycling merges them (tested elsewhere)
     if method == "visionzip":
         options["contextual"] = 0.0  # the reference gathers tokens; the contextual merge is tested elsewhere

@@ -162,7 +162,7 @@ def test_default_debias_is_unchanged():
 
 # -- refusals ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("method, model_type, match", [
-    ("vflowopt", "llava", "not available for method 'vflowopt'.*methods with one: fastv, pdrop, prefixkv, transprune, ttv, visionzip"),
+    ("vflowopt", "llava", "not available for method 'vflowopt'.*methods with one: cdpruner, fastv, hiprune, .*visionzip, vispruner, vscan\\)"),
     ("random", "llava", "not available for method 'random'"),
     ("transprune+debias", "llava", "patches FastV and PyramidDrop, not 'transprune'"),
     ("pdrop", "qwen2_vl", "compacts position ids .* qwen2_vl uses 3-D M-RoPE positions"),

@@ -190,7 +190,7 @@ def test_debiasing_prefixkv_is_refused_at_wrap_time(build):
     model, _ = _model("llava")
     with pytest.raises(ValueError, match="debias does not apply to method 'prefixkv'") as error:
         build(model)
-    assert "\n" not in str(error.value) and "fastv, pdrop, transprune" in str(error.value)
+    assert "\n" not in str(error.value) and "fastv, pdrop, sparsevlm, transprune" in str(error.value)
     assert not hasattr(model, "_vtprune_handle")
 
 

@@ -240,7 +240,7 @@ def debias_scores(debiaser: Debiaser, ctx: Any, scores: torch.Tensor) -> torch.T
     return debias(scores, weights, mask)
 
 
-DEBIAS_HOSTS = "fastv, pdrop, transprune"
+DEBIAS_HOSTS = "fastv, pdrop, sparsevlm, transprune"  # the registry's debiasable methods (tests check both agree)
 
 
 def refuse_kv_retention(scorer: Scorer, hosts: str = DEBIAS_HOSTS) -> None:

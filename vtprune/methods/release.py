@@ -22,6 +22,9 @@ prefixkv      the release's per-layer          original (cached keys)           
               "release"``, ``scope="prompt"``)
 ============  ===============================  ================================  =====================================
 
+The leaders' methods (``sparsevlm``, ``vscan``, ``vispruner``, ``hiprune``, ``cdpruner``, ``mmtok``, ``scope``,
+``idpruner``) declare their rules in their own modules; docs/methods.md's parity table lists every rule.
+
 vtprune's defaults: ``keep_count`` rounds half up (``floor(keep N0 + 0.5)``), positions stay original (the only
 policy consistent with ``generate`` and Qwen's M-RoPE), debiasing runs at every stage with ``sigma = 1.9`` and
 ``tau = 0.5`` (or a ``vtprune calibrate`` fit: the recommended path); a rule's ``options`` set method options
