@@ -24,7 +24,9 @@ def embedded():
     return model, inputs
 
 
+@pytest.mark.slow
 def test_vtprune_side_runs_and_angelslim_is_skipped_in_one_line(tmp_path, capsys):
+    """In this process, with the worker started on this python and a source folder without AngelSlim."""
     out = tmp_path / "out"
     code = main(["--models", "embedded", "--methods", "fastv,divprune", "--repeats", "1", "--samples", "2",
                  "--new-tokens", "3", "--angelslim-src", str(tmp_path / "no-angelslim"), "--out", str(out)])
