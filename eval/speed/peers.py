@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,6 +194,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                      f"{','.join(PAIRS)}.")
     if missing:
         parser.error(f"--methods {','.join(missing)}: not registered in this vtprune; drop it or update vtprune.")
+    if shutil.which(args.angelslim_python) is None:
+        parser.error(f"--angelslim-python {args.angelslim_python!r} is not an executable; give the python of the "
+                     "environment AngelSlim runs in (see docs/results/peers-angelslim/README.md).")
     check_output_dir(args.out)
     if (args.out / "peers.csv").exists() and not args.force:
         parser.error(f"--out {str(args.out)!r} already holds peers.csv; give another folder or --force to replace.")

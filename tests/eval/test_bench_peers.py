@@ -63,6 +63,13 @@ def test_existing_results_are_not_overwritten_without_force(tmp_path, capsys):
     assert (tmp_path / "peers.csv").read_text() == "kept\n"
 
 
+def test_a_missing_angelslim_python_is_a_one_line_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as error:
+        main(["--angelslim-python", str(tmp_path / "nope" / "python"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert error.value.code == 2 and "--angelslim-python" in err and len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("method", ["fastv", "divprune"])
 def test_probe_counts_the_tokens_vtprune_reports_kept(embedded, method):
     """The last decoder layer's prefill length, minus the text, equals the engine's own kept count."""
