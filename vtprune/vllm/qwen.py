@@ -5,10 +5,12 @@ Workers: :meth:`embed_multimodal` returns each item's kept rows with their (t, h
 extra columns (high and low parts, exact in bf16); :meth:`get_mrope_input_positions` numbers the text as the
 unpruned prompt does; :meth:`recompute_mrope_positions` (vLLM's ``SupportsMultiModalPruning`` hook, which the
 runner calls once we switch it on) strips the columns and writes the positions of the chunk's kept rows.
-``visionzip`` / ``vflowopt`` (Qwen2-VL, Qwen3-VL): a pre-hook on the last ViT block's attention holds its input
-during the tower calls; :func:`qwen_block_maps` / :func:`qwen_block_relevance` recompute that block's attention
-from its fused ``qkv`` and rotary embedding, and every image (every temporal patch of a video) keeps
-:func:`vtprune.vllm.select.visionzip_rows` of its rows (VFlowOpt: :func:`vtprune.vllm.select.top_rows`).
+``visionzip`` / ``vflowopt`` / ``vispruner`` / ``hiprune``: a pre-hook on the last full-attention ViT block's attention
+(HiPrune: also its object block's) holds its input during the tower calls; :func:`qwen_block_maps` /
+:func:`qwen_block_relevance` recompute that block's attention from its fused ``qkv`` and rotary embedding, and every
+image (every temporal patch of a video) keeps :func:`vtprune.vllm.select.visionzip_rows` of its rows (VFlowOpt:
+:func:`~vtprune.vllm.select.top_rows`; VisPruner: :func:`~vtprune.vllm.select.vispruner_rows` with the LLM-input
+embeddings; HiPrune: :func:`~vtprune.vllm.select.hiprune_rows` on the merged grid).
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field, modality_order
 from vtprune.vllm.positions import fill_chunk, prompt_positions
-from vtprune.vllm.select import frame_sizes, grid_extent, grid_offsets, top_rows, visionzip_rows
+from vtprune.vllm.select import (
+    frame_sizes,
+    grid_extent,
+    grid_offsets,
+    hiprune_rows,
+    top_rows,
+    visionzip_rows,
+    vispruner_rows,
+)
 from vtprune.vllm.settings import TOWER_METHODS
 
 SPLIT = 128  # offsets travel as (v // SPLIT, v % SPLIT): both parts are exact in bf16 below 32,768 * SPLIT
@@ -118,13 +128,13 @@ class QwenProcessorMixin(PrunedProcessorMixin):
 class VtpruneQwen2VLProcessor(QwenProcessorMixin, Qwen2VLMultiModalProcessor):
     """Qwen2-VL's processor with ``kept_count`` placeholders per item."""
 
-    tower_methods = ("visionzip", "vflowopt")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
 
 
 class VtpruneQwen2_5_VLProcessor(QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor):
     """Qwen2.5-VL's processor with ``kept_count`` placeholders per item."""
 
-    tower_methods = ("visionzip", "vflowopt")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
 
 
 class QwenPruningMixin(PrunedModelMixin):
@@ -163,6 +173,9 @@ class QwenPruningMixin(PrunedModelMixin):
                 elif self.vtprune.method == "vflowopt":
                     kept = self._vflowopt_item(rows, maps, keep)
                     values = rows[kept]
+                elif self.vtprune.method in ("vispruner", "hiprune"):
+                    kept = self._frame_item(rows, maps, keep, t, w // merge)
+                    values = rows[kept]
                 else:
                     kept, values = self._visionzip_item(rows, maps, keep, t)
                 offsets = self.item_offsets(modality, (t, h // merge, w // merge), factor)[kept.cpu()]
@@ -181,32 +194,50 @@ class QwenPruningMixin(PrunedModelMixin):
     def _tower_maps(self, kwargs: dict) -> tuple[Any, list]:
         """The stock embeddings, run with a pre-hook on the last ViT block's attention (the blocks of Qwen2.5-VL /
         Qwen3-VL are compile-wrapped, which skips hooks on the block itself), and ``[values [S'], keys [S', d] or
-        None, 0]`` over all items of the call (in the order the tower runs them, as the embeddings are)."""
+        None, 0]`` over all items of the call (in the order the tower runs them, as the embeddings are); HiPrune:
+        a fourth entry, the object block's attention ``[S']``."""
         full = list(getattr(self.visual, "fullatt_block_indexes", None) or [len(self.visual.blocks) - 1])
-        attention = self.visual.blocks[full[-1]].attn  # Qwen2.5-VL: the last full-attention block
+        blocks = [full[-1]]  # Qwen2.5-VL: the last full-attention block
+        if self.vtprune.method == "hiprune":
+            blocks.append(self._object_block())
         unit = self.config.vision_config.spatial_merge_size ** 2
-        parts: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         maps = qwen_block_relevance if self.vtprune.method == "vflowopt" else qwen_block_maps
+        grabbed: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in blocks]
 
-        def grab(module: Any, args: tuple, hook_kwargs: dict) -> None:
-            named = dict(zip(("x", "cu_seqlens", "rotary_pos_emb_cos", "rotary_pos_emb_sin"), args)) | hook_kwargs
-            parts.append(maps(module, named["x"], named["cu_seqlens"], named["rotary_pos_emb_cos"],
-                              named["rotary_pos_emb_sin"], unit))
+        def hook(parts: list) -> Any:
+            def grab(module: Any, args: tuple, hook_kwargs: dict) -> None:
+                named = dict(zip(("x", "cu_seqlens", "rotary_pos_emb_cos", "rotary_pos_emb_sin"), args)) | hook_kwargs
+                parts.append(maps(module, named["x"], named["cu_seqlens"], named["rotary_pos_emb_cos"],
+                                  named["rotary_pos_emb_sin"], unit))
+            return grab
 
-        handle = attention.register_forward_pre_hook(grab, with_kwargs=True)
+        handles = [self.visual.blocks[index].attn.register_forward_pre_hook(hook(parts), with_kwargs=True)
+                   for index, parts in zip(blocks, grabbed)]
         try:
             embeddings = super().embed_multimodal(**kwargs)
         finally:
-            handle.remove()
-        if len(embeddings) and not parts:
+            for handle in handles:
+                handle.remove()
+        if len(embeddings) and not grabbed[0]:
             raise ValueError(f"vtprune: {self.vtprune.method} reads the vision tower's attention; this request passed "
                              "image or video embeddings (no tower call). Pass pixels, or serve 'divprune'.")
         if hasattr(self.visual, "window_size"):  # Qwen2.5-VL's blocks see the merger units in window order
             orders = [self._token_order(kwargs[f"{m}_grid_thw"]) for m in modality_order(kwargs)]
-            parts = [(v[o.to(v.device)], None if k is None else k[o.to(k.device)]) for (v, k), o in zip(parts, orders)]
-        values = torch.cat([v for v, _ in parts]) if parts else torch.zeros(0)
+            grabbed = [[(v[o.to(v.device)], None if k is None else k[o.to(k.device)]) for (v, k), o in zip(parts, orders)]
+                       for parts in grabbed]
+        values = [torch.cat([v for v, _ in parts]) if parts else torch.zeros(0) for parts in grabbed]
+        parts = grabbed[0]
         keys = torch.cat([k for _, k in parts]) if parts and parts[0][1] is not None else None
-        return embeddings, [values, keys, 0]
+        return embeddings, [values[0], keys, 0, *values[1:]]
+
+    def _object_block(self) -> int:
+        """HiPrune's object block: the release's layer scaled to this tower, on a full-attention block
+        (:func:`vtprune.methods.hiprune.scaled_object_layer`, as vtprune's transformers path picks it)."""
+        from vtprune.methods.hiprune import QWEN_OBJECT, scaled_object_layer
+
+        depth = len(self.visual.blocks)
+        full = list(getattr(self.visual, "fullatt_block_indexes", None) or range(depth))
+        return scaled_object_layer(depth, full, QWEN_OBJECT)
 
     def _token_order(self, grid_thw: Any) -> torch.Tensor:
         """Index ``[M]`` putting a tower call's merger units, in the window order its blocks see, back in token
@@ -220,6 +251,25 @@ class QwenPruningMixin(PrunedModelMixin):
         start = maps[2]
         maps[2] = start + rows.shape[0]
         kept = top_rows(maps[0][start:start + rows.shape[0]], keep).to(rows.device)
+        self.vtprune_selections.append(kept.tolist())
+        return kept
+
+    def _frame_item(self, rows: torch.Tensor, maps: list, keep: float, frames: int, width: int) -> torch.Tensor:
+        """VisPruner or HiPrune on one item's rows ``[n, D]``, each temporal patch on its own (``width``: the merged
+        grid's row length): sorted kept rows ``[k]``."""
+        start = maps[2]
+        maps[2] = start + rows.shape[0]
+        ranked = self.selection_rows(rows)  # Qwen3-VL: the LLM-input embedding part
+        picks, offset = [], 0
+        for size in frame_sizes(rows.shape[0], frames):
+            part = slice(start + offset, start + offset + size)
+            if self.vtprune.method == "hiprune":
+                kept = hiprune_rows(maps[3][part], maps[0][part], keep, width)
+            else:
+                kept = vispruner_rows(maps[0][part], ranked[offset:offset + size], keep)
+            picks.append(kept.to(rows.device) + offset)
+            offset += size
+        kept = torch.cat(picks)
         self.vtprune_selections.append(kept.tolist())
         return kept
 

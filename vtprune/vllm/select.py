@@ -188,6 +188,33 @@ def visionzip_rows(attention: torch.Tensor, keys: torch.Tensor, embeddings: torc
     return rows, values[rows]
 
 
+def vispruner_rows(attention: torch.Tensor, features: torch.Tensor, keep: float) -> torch.Tensor:
+    """VisPruner (ICCV 2025, arXiv:2412.01818) on one image or frame: sorted kept rows ``[keep_count(keep, n)]``.
+
+    attention: ``[n]`` the attention each token receives at the scored tower layer; features: ``[n, D]`` what the
+    diverse rounds compare (LLaVA: the feature layer's output before the projector; Qwen-VL: the LLM-input
+    embeddings). vtprune's :func:`vtprune.methods.vispruner.important_diverse` at the release's ratio.
+    """
+    from vtprune.methods.vispruner import RELEASED_RATIO, important_diverse
+
+    picks = important_diverse(attention, features.to(attention.device), keep_count(keep, attention.shape[0]),
+                              RELEASED_RATIO)
+    return torch.sort(picks).values
+
+
+def hiprune_rows(shallow: torch.Tensor, deep: torch.Tensor, keep: float, width: int) -> torch.Tensor:
+    """HiPrune (arXiv:2508.00553) on one image or frame: sorted kept rows ``[keep_count(keep, n)]``.
+
+    shallow, deep: ``[n]`` the attention each token receives at the object and the deep layer; width: the token
+    grid's row length. vtprune's :func:`vtprune.methods.hiprune.hierarchical_select` at the release's alpha.
+    """
+    from vtprune.methods.hiprune import RELEASED_ALPHA, hierarchical_select
+
+    picks = hierarchical_select(shallow, deep.to(shallow.device), keep_count(keep, shallow.shape[0]), width,
+                                RELEASED_ALPHA)
+    return torch.sort(picks).values
+
+
 def grid_offsets(grid: tuple[int, int, int], t_factor: float = 1.0) -> torch.Tensor:
     """``[t*h*w, 3]`` long (t, h, w) M-RoPE offsets of every row of a merged grid, as Qwen-VL numbers them."""
     t, h, w = grid

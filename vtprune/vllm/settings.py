@@ -13,7 +13,7 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt")
+PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt", "vispruner", "hiprune")
 #: Methods that prune inside the language model (vtprune.vllm.layerwise): stage layers fixed at start-up, the kept
 #: count of every stage a function of the request's visual tokens and keep.
 LAYER_METHODS = ("fastv", "pdrop", "transprune", "ttv", "dart")
@@ -23,7 +23,8 @@ RETENTION_METHODS = ("prefixkv",)
 #: Every method the plugin serves.
 VLLM_METHODS = PRE_LLM_METHODS + LAYER_METHODS + RETENTION_METHODS
 #: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
-TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL"}
+TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL",
+                  "vispruner": "LLaVA-1.5 and Qwen-VL", "hiprune": "LLaVA-1.5 and Qwen-VL"}
 TOWER_METHODS = tuple(TOWER_FAMILIES)
 #: Methods that score images only (vtprune's transformers path refuses their video too).
 IMAGE_METHODS = ("vflowopt",)
@@ -41,10 +42,6 @@ NOT_YET = {
                  "its raters read the language model's input embeddings, which the runtime does not capture",
     "vscan": "it prunes in two places, a vision-tower stage with merging before the language model and a stage "
              "inside it, and the plugin runs either a pre-LLM or a layer-wise method per model, not both",
-    "vispruner": "its per-crop selection reads the CLIP feature layer's output features beside its attention, which "
-                 "the plugin's tower hooks (visionzip, vflowopt) do not capture yet",
-    "hiprune": "it reads two vision-tower layers (an object layer and the feature layer) per crop, and the plugin's "
-               "tower hooks (visionzip, vflowopt) capture one",
     "scope": "its coverage greedy is not wired into the plugin's tower path yet (it reads vispruner's maps: the "
              "feature layer's attention and output per crop on LLaVA-1.5, attention and embeddings on Qwen-VL)",
     "idpruner": "its MMR ranks the LLM-input embeddings by a Vision Selector model's or the vision tower's scores, "
