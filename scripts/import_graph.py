@@ -24,7 +24,7 @@ PACKAGES = {"vtprune": "vtprune", "vtprune.adapters": "adapters", "vtprune.kerne
 CORE = ("vtprune.api", "vtprune.config", "vtprune.plan", "vtprune.engine", "vtprune.prefill", "vtprune.decode",
         "vtprune.calls", "vtprune.state", "vtprune.layout", "vtprune.scoring", "vtprune.methods", "vtprune.errors",
         "vtprune.calibration_check", "vtprune.method_config", "vtprune.flops", "vtprune.kv", "vtprune.outputs",
-        "vtprune.guards", "vtprune.adapters", "vtprune.kernels")
+        "vtprune.guards", "vtprune.kv_priority", "vtprune.adapters", "vtprune.kernels")
 APPLICATIONS = ("vtprune.__main__", "vtprune.cli", "vtprune.models", "vtprune.shapes", "vtprune.media",
                 "vtprune.gridprobe", "vtprune.demo", "vtprune.vllm", "vtprune.eval")
 EVAL = "vtprune.eval"

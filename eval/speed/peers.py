@@ -101,11 +101,6 @@ def proxy_setup(hidden: int, layers: int, folder: Path) -> tuple[object, list[di
     return model, inputs, str(folder), f"proxy llava-1.5 (576 visual tokens, LM {hidden}x{layers}, random weights)"
 
 
-def answer(tokens: list[int], eos: int | None) -> list[int]:
-    """``tokens`` up to and including the first ``eos``."""
-    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
-
-
 def measure(model, inputs: list[dict], method: str, keep: float, worker: Worker | None, repeats: int,
             new_tokens: int) -> dict[str, list[dict]]:
     """``{side: [run, ...]}`` over ``repeats`` rounds after a warm-up round (runs of ``timed_run``)."""

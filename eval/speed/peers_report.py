@@ -23,10 +23,13 @@ def _p(values: list[float], q: int) -> float:
     return round(percentiles(values, (q,))[q], 2) if values else float("nan")
 
 
+def answer(tokens: list[int], eos: int | None) -> list[int]:
+    """``tokens`` up to and including the first ``eos``."""
+    return tokens[: tokens.index(eos) + 1] if eos is not None and eos in tokens else tokens
+
+
 def _answers(runs: list[dict], eos: int | None) -> dict[int, list[int]]:
     """The first timed run's answer per sample (greedy, so every repeat gives the same tokens)."""
-    from vtprune.eval.speed.peers import answer
-
     out: dict[int, list[int]] = {}
     for run in runs:
         if "tokens" in run:
