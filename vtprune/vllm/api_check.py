@@ -77,7 +77,10 @@ MEMBERS: tuple[Member, ...] = (
     *(Member("model_executor/layers/attention/attention.py", "Attention", name)
       for name in ("layer_name", "head_size", "kv_cache", "impl")),
     *(Member(_RUNNER, "GPUModelRunner", name) for name in ("attn_groups", "input_batch", "query_start_loc",
-                                                          "requests", "is_multimodal_pruning_enabled")),
+                                                          "requests", "is_multimodal_pruning_enabled",
+                                                          "kv_cache_config")),
+    *(Member("v1/worker/gpu_input_batch.py", "InputBatch", name) for name in (
+        "req_ids", "num_reqs", "num_computed_tokens_cpu", "num_prompt_tokens", "block_table")),
     *(Member(_PROCESSOR, "BaseMultiModalProcessor", name) for name in ("_apply_hf_processor_main",
                                                                       "_get_mm_fields_config", "_get_prompt_updates")),
     Member("model_executor/models/interfaces.py", "SupportsMultiModalPruning", "recompute_mrope_positions"),
