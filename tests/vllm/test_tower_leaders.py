@@ -6,7 +6,7 @@ image or temporal patch keeping ``keep_count(keep, n)`` rows; equal to vtprune's
 greedy tokens and first-step log-probabilities; LLaVA with ``positions="compact"``, Qwen-VL at original M-RoPE
 positions; Qwen3-VL's kept rows keep their DeepStack features). One engine per case, alive one at a time.
 The embedded models' images keep at most 8 tokens, too few for HiPrune's anchors (``round(k * 0.1 / 5)`` is 0), so
-there HiPrune keeps the deep layer's top rows; the tiny folders' 448 px image keeps 49-64 and places one anchor."""
+there HiPrune keeps the deep layer's top rows; the tiny folders' 448 px image at keep 0.5 keeps 32-41 and places one."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ CASES = {("llava", "vispruner"): {"positions": "compact"}, ("qwen2_vl", "visprun
          ("qwen2_5_vl", "vispruner"): {}, ("qwen3_vl", "vispruner"): {},
          ("qwen2_5_vl", "hiprune"): {}, ("qwen3_vl", "hiprune"): {}}
 TINY = {"qwen2_5_vl": "VtpruneQwen2_5_VLForConditionalGeneration", "qwen3_vl": "VtpruneQwen3VLForConditionalGeneration"}
-#: tiny folders: three sizes in one batch; at 448 px an image keeps enough tokens (>= 26) for HiPrune's anchors
+#: tiny folders: three sizes in one batch; the 448 px image (resized to the folder's 65,536-pixel limit) keeps 32-41
+#: rows at keep 0.5, enough (>= 26) for one HiPrune anchor
 SIZES = [(112, 112), (200, 112), (448, 448)]
 
 
@@ -98,6 +99,10 @@ def test_per_request_keep(engine, case, samples, expected):
     got = generate(engine, samples, keeps=keeps)
     assert kept(engine, case) == want([expected[keep][i][1] for i, keep in enumerate(keeps)], case)
     assert [ids for ids, _, _ in got] == [expected[keep][i][0] for i, keep in enumerate(keeps)]
+    if case[0] in TINY:  # at 0.5 the 448 px image keeps enough rows for a HiPrune anchor and its buffer cross
+        from vtprune.methods.hiprune import RELEASED_ALPHA, anchor_count
+
+        assert anchor_count(len(expected[0.5][2][1]), RELEASED_ALPHA) >= 1
 
 
 def test_video_per_temporal_patch(engine, case, clip):
