@@ -28,11 +28,11 @@ def test_the_default_proxy_has_llava_geometry_and_32_layers(tmp_path):
 
 
 def test_memory_bound_budget_by_hand(tmp_path):
-    # 594 prompt + 8 output tokens = 602: 5 blocks of 128 in each of 32 layers; a token in a layer holds
+    # 586 prompt + 8 output tokens = 594: 5 blocks of 128 in each of 32 layers; a token in a layer holds
     # 2 x 4 KV heads x 64 x 4 bytes = 2 KiB: 640 x 32 x 2 KiB = 40 MiB per request
     folder = proxy_folder("proxy576x32", tmp_path)
     assert memory_bound_bytes(folder, 8, 128, _args()) == 8 * 40 * 2**20
-    assert memory_bound_bytes(folder, 1, 32, _args(dtype="bfloat16")) == 19 * 32 * 32 * 1024  # ceil(602 / 32) = 19
+    assert memory_bound_bytes(folder, 1, 32, _args(dtype="bfloat16")) == 19 * 32 * 32 * 1024  # ceil(594 / 32) = 19
     bound, budget = memory_bound(folder, 8, 128, _args())
     assert budget == 8 * 40 * 2**20 and bound.max_model_len == 640  # one request in whole blocks: vLLM accepts it
 
