@@ -88,6 +88,7 @@ def _check_followup(model_type: str, method: str, options: dict, rows: int, mask
     ("llava", "pdrop", {}), ("qwen2_5_vl", "fastv", {}), ("llava", "random", {"layer": 0}),
     ("qwen2_vl", "random", {"layer": 0}), ("llava", "prefixkv", {}), ("qwen2_5_vl", "prefixkv", {}),
     ("llava", "divprune", {}), ("qwen2_vl", "divprune", {}),
+    ("llava", "cdpruner", {}), ("qwen2_vl", "mmtok", {}), ("qwen2_5_vl", "vispruner", {}), ("llava", "hiprune", {}),
     ("llava", "random", {"schedule": "0:0.5,2:0.25", "positions": "compact"}),
 ])
 def test_followup_turn_of_a_ragged_batch_equals_the_reference(model_type, method, options, mask):
