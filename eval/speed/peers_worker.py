@@ -11,14 +11,26 @@ sides are timed by one piece of code.
 AngelSlim's settings are its shipped ``configs/llava/pruning/*_r0.75.yaml`` with ``ratio = 1 - keep``; the
 ViT layer ``-2`` of those files becomes the model's ``vision_feature_layer`` (:func:`vit_layers`), and the
 CLIP path of its ``model_mapping`` follows the installed transformers (:func:`llava_mapping`).
+
+IDPruner (Tan et al., arXiv:2602.13315) ranks tokens with a trained Vision Selector that vtprune does not ship
+(AngelSlim's ``idpruner_r0.75.yaml`` leaves ``selector_path`` a placeholder), so both sides get the same
+untrained stand-in, :class:`NormScorer` (each token's embedding norm): vtprune as ``selector=``, AngelSlim as a
+folder in its selector layout (:func:`standin_selector_folder`). The times compare the two MMR loops around one
+selector, not the paper's selector. SCOPE (Deng et al., NeurIPS 2025, arXiv:2510.24214) follows
+``scope_r0.75.yaml``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import inspect
 import io
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +57,31 @@ class Pair:
     options: dict = field(default_factory=dict)
 
 
+class NormScorer(torch.nn.Module):
+    """The stand-in Vision Selector of the IDPruner pair: raw score = each token's embedding norm (untrained; one
+    scale parameter, 1, because AngelSlim reads the selector's dtype from its first parameter).
+    ``vision_hidden [B, N, D] -> [B, N]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, vision_hidden: torch.Tensor) -> torch.Tensor:
+        return vision_hidden.norm(dim=-1) * self.scale
+
+
+@functools.cache
+def standin_selector_folder() -> str:
+    """A temporary folder (removed at exit) holding :class:`NormScorer` in AngelSlim's Vision Selector layout
+    (``config.json`` naming the class, its ``*.py`` source, ``model.bin`` weights), written once per process."""
+    folder = Path(tempfile.mkdtemp(prefix="vtprune-peers-selector-"))
+    atexit.register(shutil.rmtree, folder, True)
+    (folder / "config.json").write_text(json.dumps({"architecture": NormScorer.__name__}))
+    (folder / "scorer.py").write_text("import torch\n\n\n" + inspect.getsource(NormScorer))
+    torch.save(NormScorer().state_dict(), folder / "model.bin")
+    return str(folder)
+
+
 PAIRS: dict[str, Pair] = {p.method: p for p in (
     Pair("random", "random", "global", lambda r, v, o: {"ratio": r}, lambda v, o: {}, {"layer": 0}),
     Pair("fastv", "special_token_based_attention", 0,
@@ -63,6 +100,11 @@ PAIRS: dict[str, Pair] = {p.method: p for p in (
     Pair("hiprune", "hiprune", "global",
          lambda r, v, o: {"ratio": r, "object_layer": o, "last_vit_layer": v, "alpha": 0.1},
          lambda v, o: {"vit_q_layers": sorted({o, v}), "vit_k_layers": sorted({o, v}), "image_grid_thw": True}),
+    Pair("scope", "scope", "global", lambda r, v, o: {"ratio": r, "layer_idx": v, "alpha": 1.0},
+         lambda v, o: {"vit_q_layers": [v], "vit_k_layers": [v], "feature_map": True}),
+    Pair("idpruner", "idpruner", "global",
+         lambda r, v, o: {"ratio": r, "mmr_lambda": 0.5, "parallel_k": 1, "selector_path": standin_selector_folder()},
+         lambda v, o: {"inputs_embeds": True}, {"selector": NormScorer()}),
 )}
 
 LLAVA_MAPPING = [  # AngelSlim configs/llava/pruning/*.yaml, model_mapping

@@ -8,11 +8,19 @@ import csv
 import math
 
 import pytest
+import torch
 from vtprune.eval.speed.peers import SKIP_LINE, main
 from vtprune.eval.speed.peers_report import COLUMNS
-from vtprune.eval.speed.peers_worker import PAIRS, llava_mapping, timed_run, vit_layers
+from vtprune.eval.speed.peers_worker import (
+    PAIRS,
+    llava_mapping,
+    standin_selector_folder,
+    timed_run,
+    vit_layers,
+)
 
 import vtprune
+from vtprune.methods.idpruner import load_selector
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,7 @@ def test_a_missing_angelslim_python_is_a_one_line_error(tmp_path, capsys):
     assert error.value.code == 2 and "--angelslim-python" in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("method", ["fastv", "divprune"])
+@pytest.mark.parametrize("method", ["fastv", "divprune", "scope", "idpruner"])
 def test_probe_counts_the_tokens_vtprune_reports_kept(embedded, method):
     """The last decoder layer's prefill length, minus the text, equals the engine's own kept count."""
     model, inputs = embedded
@@ -92,3 +100,22 @@ def test_angelslim_settings_follow_the_model(embedded):
     assert "model.vision_tower.encoder.layers[n].self_attn" in paths
     hiprune = PAIRS["hiprune"]
     assert hiprune.params(0.75, 22, 9) == {"ratio": 0.75, "object_layer": 9, "last_vit_layer": 22, "alpha": 0.1}
+
+
+def test_scope_and_idpruner_follow_angelslims_configs():
+    """AngelSlim's scope_r0.75.yaml / idpruner_r0.75.yaml at ratio 0.75, feature layer 22 (LLaVA-1.5's -2 of 24)."""
+    assert PAIRS["scope"].params(0.75, 22, 9) == {"ratio": 0.75, "layer_idx": 22, "alpha": 1.0}
+    assert PAIRS["scope"].needs(22, 9) == {"vit_q_layers": [22], "vit_k_layers": [22], "feature_map": True}
+    params = PAIRS["idpruner"].params(0.75, 22, 9)
+    assert {k: params[k] for k in ("ratio", "mmr_lambda", "parallel_k")} == {"ratio": 0.75, "mmr_lambda": 0.5,
+                                                                              "parallel_k": 1}
+    assert PAIRS["idpruner"].needs(22, 9) == {"inputs_embeds": True}
+
+
+def test_idpruner_standin_selector_is_the_same_norm_on_both_sides():
+    """The folder AngelSlim loads and vtprune's selector= both score a token by its embedding norm (hand-made)."""
+    vision = torch.tensor([[[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]]])
+    expected = torch.tensor([[5.0, 1.0, 10.0]])
+    from_folder = load_selector(standin_selector_folder())  # AngelSlim's layout, loaded as vtprune loads it
+    assert torch.allclose(from_folder(vision), expected)
+    assert torch.allclose(PAIRS["idpruner"].options["selector"](vision), expected)
