@@ -2,7 +2,8 @@
 
 Per-row scoring (TextVQA with or without the OCR tokens, POPE per split or pooled), TransPrune's LLaVA-NeXT
 reference, the PyramidDrop average budgets that cannot test ``pdrop``, the PIL image processor of the LLaVA rows,
-and the published rows of SparseVLM, VisPruner, CDPruner, VScan, MMTok and HiPrune (planned once registered).
+and the published rows of SparseVLM, VisPruner, CDPruner, VScan, MMTok, HiPrune, SCOPE and IDPruner (planned
+once registered).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from vtprune.eval.papers.reproduce import Setting, load_papers
 from vtprune.eval.papers.table import measured
 
 LLAVA = "llava-1.5-7b"
-LEADERS = {"sparsevlm", "vispruner", "cdpruner", "vscan", "mmtok", "hiprune"}  # their rows: planned once registered
+LEADERS = {"sparsevlm", "vispruner", "cdpruner", "vscan", "mmtok", "hiprune", "scope",
+           "idpruner"}  # their rows: planned once registered
 
 
 def test_llava_next_textvqa_rows_compare_with_their_own_prompt() -> None:
@@ -157,3 +159,19 @@ def test_the_leaders_rows_are_planned_with_the_release_presets() -> None:
         parsed = simple_parse_args_string(args)
         prune = parse_model_args({k: v for k, v in parsed.items() if k not in ("pretrained", "dtype")}).prune
         assert prune.options["retain"] == int(setting.options.split("=")[1])
+
+
+def test_scope_and_idpruner_rows_are_planned_and_say_what_runs() -> None:
+    """SCOPE's and IDPruner's LLaVA-1.5-7B rows (no value yet: unconfirmed) plan one run per budget with the six
+    benchmarks' tasks; IDPruner's say the run is vtprune's attention stand-in, not the paper's trained selector."""
+    import vtprune
+
+    rows = [r for r in load_papers() if r.method in ("scope", "idpruner")]
+    assert {(r.method, r.tokens) for r in rows} == {(m, t) for m in ("scope", "idpruner") for t in ("192", "128", "64")}
+    assert all(r.model == LLAVA and r.value is None and "unconfirmed" in r.note for r in rows)
+    assert all("attention stand-in" in r.note and "not the paper's method" in r.note
+               for r in rows if r.method == "idpruner")
+    runs = reproduce.plan(load_papers(), methods=["scope", "idpruner"], registered=set(vtprune.list_methods()))
+    for method in ("scope", "idpruner"):
+        for keep in (0.333333, 0.222222, 0.111111):  # 192 / 128 / 64 of 576
+            assert len(runs[Setting(LLAVA, method, keep)]) == 6, (method, keep)
