@@ -333,7 +333,7 @@ def plot(out: Path) -> None:
               f"{out}` in the main venv for the plot", file=sys.stderr)
         return
     with open(out / "serving.csv") as handle:
-        rows = [r for r in csv.DictReader(handle) if r["engine"] == "vllm"]
+        rows = [r for r in csv.DictReader(handle) if r["engine"] == "vllm" and r.get("scenario") != "memory-bound"]
     models = sorted({r["model"] for r in rows})
     figure, axes = plt.subplots(len(models), 2, figsize=(10, 4 * len(models)), squeeze=False)
     for (speed, memory), model in zip(axes, models):
