@@ -151,9 +151,10 @@ def measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args
 def _engine(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace, kv_bytes: int | None):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vtprune.eval.speed.serving_engines import engine_options
+    from vtprune.eval.speed.serving_engines import engine_options, kv_space
 
-    return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_options(folder, model, method, keep, args, kv_bytes)))
+    with kv_space(kv_bytes):
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_options(folder, model, method, keep, args, kv_bytes)))
 
 
 async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: float, args: argparse.Namespace,

