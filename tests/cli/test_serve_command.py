@@ -33,6 +33,10 @@ def test_serve_command_line(cli):
     assert overrides == {"vtprune": {"method": "divprune", "keep": 0.5, "seed": 0},
                          "architectures": ["VtpruneQwen2VLForConditionalGeneration"]}
     assert "--limit-mm-per-prompt" not in out
+    # a top-level vtprune_keep is refused by the server (the middleware), not served at the default keep
+    assert words[words.index("--middleware") + 1] == "vtprune.vllm.middleware.RequestKeyCheck"
+    code, out, _ = cli("serve", "embedded:qwen2_vl", "--dry-run", "--middleware", "vtprune.vllm.middleware.RequestKeyCheck")
+    assert code == 0 and shlex.split(out).count("--middleware") == 1
 
 
 def test_serve_qwen3_vl_serves_images_and_video(cli, tmp_path):

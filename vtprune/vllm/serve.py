@@ -28,6 +28,7 @@ from pathlib import Path
 
 from vtprune.cli.checks import check_port, int_range
 from vtprune.errors import UserError
+from vtprune.vllm.middleware import server_options
 from vtprune.vllm.settings import IMAGE_METHODS, VllmPruning, check_architecture
 
 DEFAULT_MODEL = "embedded:llava"
@@ -126,7 +127,7 @@ def server_command(args: argparse.Namespace, python: str) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--hf-overrides", json.dumps(overrides), "--host", args.host, "--port", str(args.port),
             *embedded_defaults(args.model, args.passthrough), *method_defaults(settings.method, stock, args.passthrough),
-            *args.passthrough]
+            *server_options(args.passthrough), *args.passthrough]
 
 
 #: The families whose videos arrive as equal frames that ``temporal`` ranks (``frame_videos`` of their vLLM
