@@ -102,7 +102,8 @@ def test_unknown_methods_are_refused_in_one_line(capsys) -> None:
         reproduce.main(["--print-commands", "--methods", "bogus,fastv"])
     message = str(stop.value.code)
     assert "\n" not in message and "--methods bogus" in message
-    assert "cdpruner, dart, divprune, fastv, hiprune, mmtok, pdrop, sparsevlm, transprune, visionzip, vispruner, vscan" in message
+    assert ("cdpruner, dart, divprune, fastv, hiprune, idpruner, mmtok, pdrop, scope, sparsevlm, transprune, visionzip, "
+            "vispruner, vscan") in message
     with pytest.raises(SystemExit, match="unknown --models nosuch; choose from llava-1.5-7b"):
         reproduce.main(["--print-commands", "--models", "nosuch"])
 
