@@ -1,8 +1,8 @@
 """Speed side by side with Tencent AngelSlim's token_compressor: ``python -m vtprune.eval.speed.peers``.
 
 The methods both ship (AngelSlim's ``factory.py`` names in brackets): random (``random``), fastv
-(``special_token_based_attention``), divprune, dart, visionzip and, once registered in vtprune, vispruner and
-hiprune. Per method, the same weights and inputs (the embedded LLaVA; a random-weight LLaVA-1.5 proxy, 576
+(``special_token_based_attention``), divprune, dart, visionzip, vispruner,
+hiprune, scope and idpruner (IDPruner with the same untrained stand-in selector on both sides). Per method, the same weights and inputs (the embedded LLaVA; a random-weight LLaVA-1.5 proxy, 576
 visual tokens and a narrow language model, :mod:`vtprune.eval.speed.proxy`) and the same greedy
 ``generate(max_new_tokens=N)`` run with ``vtprune.wrap(model, method, keep=k)`` and with AngelSlim's compressor
 at ratio ``1 - k``, batch 1, interleaved: every round runs each sample on four sides (vtprune, the unpruned
