@@ -1,7 +1,8 @@
-"""VisPruner and HiPrune in vLLM on the embedded LLaVA and Qwen2-VL, and on tiny Qwen2.5-VL / Qwen3-VL checkpoints
-(tests/vllm/tiny_folders.py): the tower's attention recomputed inside vLLM's own tower (LLaVA: the CLIP feature
-layer, VisPruner also its output features, HiPrune also its object layer; Qwen-VL: the last full-attention ViT block
-per 2 x 2 merger unit, HiPrune also its object block; VisPruner's diverse rounds on the LLM-input embeddings), each
+"""VisPruner, HiPrune and SCOPE in vLLM on the embedded LLaVA and Qwen2-VL, and on tiny Qwen2.5-VL / Qwen3-VL
+checkpoints (tests/vllm/tiny_folders.py): the tower's attention recomputed inside vLLM's own tower (LLaVA: the CLIP
+feature layer, VisPruner and SCOPE also its output features, HiPrune also its object layer; Qwen-VL: the last
+full-attention ViT block per 2 x 2 merger unit, HiPrune also its object block; VisPruner's diverse rounds and SCOPE's
+coverage on the LLM-input embeddings), each
 image or temporal patch keeping ``keep_count(keep, n)`` rows; equal to vtprune's transformers path (same kept rows,
 greedy tokens and first-step log-probabilities; LLaVA with ``positions="compact"``, Qwen-VL at original M-RoPE
 positions; Qwen3-VL's kept rows keep their DeepStack features). One engine per case, alive one at a time.
@@ -18,7 +19,9 @@ from conftest import assert_same_answers, generate, generate_video, make_llm, se
 CASES = {("llava", "vispruner"): {"positions": "compact"}, ("qwen2_vl", "vispruner"): {},
          ("llava", "hiprune"): {"positions": "compact"}, ("qwen2_vl", "hiprune"): {},
          ("qwen2_5_vl", "vispruner"): {}, ("qwen3_vl", "vispruner"): {},
-         ("qwen2_5_vl", "hiprune"): {}, ("qwen3_vl", "hiprune"): {}}
+         ("qwen2_5_vl", "hiprune"): {}, ("qwen3_vl", "hiprune"): {},
+         ("llava", "scope"): {"positions": "compact"}, ("qwen2_vl", "scope"): {},
+         ("qwen2_5_vl", "scope"): {}, ("qwen3_vl", "scope"): {}}
 TINY = {"qwen2_5_vl": "VtpruneQwen2_5_VLForConditionalGeneration", "qwen3_vl": "VtpruneQwen3VLForConditionalGeneration"}
 #: tiny folders: three sizes in one batch; the 448 px image (resized to the folder's 65,536-pixel limit) keeps 32-41
 #: rows at keep 0.5, enough (>= 26) for one HiPrune anchor

@@ -2,14 +2,14 @@
 
 The prompt holds ``kept_count`` image placeholders per image; :meth:`embed_multimodal` returns the kept rows
 (sorted). vLLM numbers them consecutively, so positions are compact (vtprune's ``positions="compact"``).
-``visionzip`` (``vflowopt``, ``vispruner``, ``hiprune`` alike): a pre-hook on vLLM's CLIP encoder layer that
-vtprune scores (the projector's feature layer) holds its input during the tower call; :func:`clip_layer_maps`
+``visionzip`` (``vflowopt``, ``vispruner``, ``hiprune``, ``scope`` alike): a pre-hook on vLLM's CLIP encoder layer
+that vtprune scores (the projector's feature layer) holds its input during the tower call; :func:`clip_layer_maps`
 recomputes that layer's attention from its fused ``qkv_proj`` with vtprune's
 :func:`vtprune.methods.vit.vit_attention` (CLS row, CLS column dropped as the projector drops it), and
 :func:`vtprune.vllm.select.visionzip_rows` keeps the dominant rows and merges the rest.
-VisPruner also reads that layer's output (the pre-projector features, CLS dropped) for its diverse rounds
-(:func:`vtprune.vllm.select.vispruner_rows`); HiPrune also reads the attention at its object layer, from all
-queries at both layers (:func:`vtprune.vllm.select.hiprune_rows`).
+VisPruner and SCOPE also read that layer's output (the pre-projector features, CLS dropped) for their diverse rounds
+and coverage (:func:`vtprune.vllm.select.vispruner_rows`, :func:`~vtprune.vllm.select.scope_rows`); HiPrune also
+reads the attention at its object layer, from all queries at both layers (:func:`vtprune.vllm.select.hiprune_rows`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from vllm.model_executor.models.llava import (
 from vllm.multimodal import MULTIMODAL_REGISTRY
 
 from vtprune.vllm.common import PrunedModelMixin, PrunedProcessorMixin, item_keeps, keep_field
-from vtprune.vllm.select import hiprune_rows, top_rows, visionzip_rows, vispruner_rows
+from vtprune.vllm.select import hiprune_rows, scope_rows, top_rows, visionzip_rows, vispruner_rows
 from vtprune.vllm.settings import TOWER_METHODS
 
 
@@ -86,7 +86,7 @@ class VtpruneLlavaProcessor(PrunedProcessorMixin, LlavaMultiModalProcessor):
     """LLaVA's processor with ``kept_count`` placeholders per image."""
 
     modalities = ("image",)
-    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune", "scope")
 
 
 @MULTIMODAL_REGISTRY.register_processor(VtpruneLlavaProcessor, info=VtpruneLlavaProcessingInfo,
@@ -111,10 +111,10 @@ class VtpruneLlavaForConditionalGeneration(PrunedModelMixin, LlavaForConditional
         return self.prune_items(embeddings, kwargs, {"image": keeps})
 
     def _tower_method(self, keeps: Any, kwargs: dict) -> list[torch.Tensor]:
-        """Each image's kept rows ``[k, D]`` from the scored tower layer's input (and VisPruner: its output, the
-        pre-projector features; HiPrune: the object layer's input too), captured during the tower call:
+        """Each image's kept rows ``[k, D]`` from the scored tower layer's input (and VisPruner, SCOPE: its output,
+        the pre-projector features; HiPrune: the object layer's input too), captured during the tower call:
         :func:`visionzip_rows` (dominant + contextual), :func:`top_rows` of VFlowOpt's importance,
-        :func:`vispruner_rows` or :func:`hiprune_rows`."""
+        :func:`vispruner_rows`, :func:`scope_rows` or :func:`hiprune_rows`."""
         from vtprune.methods.vit import feature_layer_index
 
         config, method = self.config, self.vtprune.method
@@ -124,7 +124,7 @@ class VtpruneLlavaForConditionalGeneration(PrunedModelMixin, LlavaForConditional
         outputs: list[torch.Tensor] = []
         objects: list[torch.Tensor] = []
         handles = [layer.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach()))]
-        if method == "vispruner":
+        if method in ("vispruner", "scope"):
             handles.append(layer.register_forward_hook(lambda module, args, out: outputs.append(out.detach())))
         if method == "hiprune":
             handles.append(layers[self._object_layer()].register_forward_pre_hook(
@@ -170,9 +170,10 @@ class VtpruneLlavaForConditionalGeneration(PrunedModelMixin, LlavaForConditional
             return lambda index, rows, keep: _rows_values(hiprune_rows(shallow[index], deep[index], keep, width), rows)
         values, keys = (torch.cat(parts) for parts in zip(*(clip_layer_maps(layer, h, drop_cls=drop_cls)
                                                              for h in inputs)))
-        if method == "vispruner":
+        if method in ("vispruner", "scope"):
             features = torch.cat([h[:, 1:] if drop_cls else h for h in outputs])
-            return lambda index, rows, keep: _rows_values(vispruner_rows(values[index], features[index], keep), rows)
+            rank = vispruner_rows if method == "vispruner" else scope_rows
+            return lambda index, rows, keep: _rows_values(rank(values[index], features[index], keep), rows)
         return lambda index, rows, keep: visionzip_rows(values[index], keys[index], rows, keep)
 
 

@@ -5,12 +5,13 @@ Workers: :meth:`embed_multimodal` returns each item's kept rows with their (t, h
 extra columns (high and low parts, exact in bf16); :meth:`get_mrope_input_positions` numbers the text as the
 unpruned prompt does; :meth:`recompute_mrope_positions` (vLLM's ``SupportsMultiModalPruning`` hook, which the
 runner calls once we switch it on) strips the columns and writes the positions of the chunk's kept rows.
-``visionzip`` / ``vflowopt`` / ``vispruner`` / ``hiprune``: a pre-hook on the last full-attention ViT block's attention
-(HiPrune: also its object block's) holds its input during the tower calls; :func:`qwen_block_maps` /
+``visionzip`` / ``vflowopt`` / ``vispruner`` / ``hiprune`` / ``scope``: a pre-hook on the last full-attention ViT
+block's attention (HiPrune: also its object block's) holds its input during the tower calls; :func:`qwen_block_maps` /
 :func:`qwen_block_relevance` recompute that block's attention from its fused ``qkv`` and rotary embedding, and every
 image (every temporal patch of a video) keeps :func:`vtprune.vllm.select.visionzip_rows` of its rows (VFlowOpt:
 :func:`~vtprune.vllm.select.top_rows`; VisPruner: :func:`~vtprune.vllm.select.vispruner_rows` with the LLM-input
-embeddings; HiPrune: :func:`~vtprune.vllm.select.hiprune_rows` on the merged grid).
+embeddings; SCOPE: :func:`~vtprune.vllm.select.scope_rows`, the same maps; HiPrune:
+:func:`~vtprune.vllm.select.hiprune_rows` on the merged grid).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from vtprune.vllm.select import (
     grid_extent,
     grid_offsets,
     hiprune_rows,
+    scope_rows,
     top_rows,
     visionzip_rows,
     vispruner_rows,
@@ -128,13 +130,13 @@ class QwenProcessorMixin(PrunedProcessorMixin):
 class VtpruneQwen2VLProcessor(QwenProcessorMixin, Qwen2VLMultiModalProcessor):
     """Qwen2-VL's processor with ``kept_count`` placeholders per item."""
 
-    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune", "scope")
 
 
 class VtpruneQwen2_5_VLProcessor(QwenProcessorMixin, Qwen2_5_VLMultiModalProcessor):
     """Qwen2.5-VL's processor with ``kept_count`` placeholders per item."""
 
-    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune", "scope")
 
 
 class QwenPruningMixin(PrunedModelMixin):
@@ -173,7 +175,7 @@ class QwenPruningMixin(PrunedModelMixin):
                 elif self.vtprune.method == "vflowopt":
                     kept = self._vflowopt_item(rows, maps, keep)
                     values = rows[kept]
-                elif self.vtprune.method in ("vispruner", "hiprune"):
+                elif self.vtprune.method in ("vispruner", "hiprune", "scope"):
                     kept = self._frame_item(rows, maps, keep, t, w // merge)
                     values = rows[kept]
                 else:
@@ -255,8 +257,8 @@ class QwenPruningMixin(PrunedModelMixin):
         return kept
 
     def _frame_item(self, rows: torch.Tensor, maps: list, keep: float, frames: int, width: int) -> torch.Tensor:
-        """VisPruner or HiPrune on one item's rows ``[n, D]``, each temporal patch on its own (``width``: the merged
-        grid's row length): sorted kept rows ``[k]``."""
+        """VisPruner, HiPrune or SCOPE on one item's rows ``[n, D]``, each temporal patch on its own (``width``: the
+        merged grid's row length): sorted kept rows ``[k]``."""
         start = maps[2]
         maps[2] = start + rows.shape[0]
         ranked = self.selection_rows(rows)  # Qwen3-VL: the LLM-input embedding part
@@ -266,7 +268,8 @@ class QwenPruningMixin(PrunedModelMixin):
             if self.vtprune.method == "hiprune":
                 kept = hiprune_rows(maps[3][part], maps[0][part], keep, width)
             else:
-                kept = vispruner_rows(maps[0][part], ranked[offset:offset + size], keep)
+                rank = scope_rows if self.vtprune.method == "scope" else vispruner_rows
+                kept = rank(maps[0][part], ranked[offset:offset + size], keep)
             picks.append(kept.to(rows.device) + offset)
             offset += size
         kept = torch.cat(picks)

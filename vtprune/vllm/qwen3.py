@@ -40,7 +40,7 @@ class VtpruneQwen3VLProcessor(QwenProcessorMixin, Qwen3VLMultiModalProcessor):
     """Qwen3-VL's processor with ``kept_count`` placeholders per image and each video frame's share."""
 
     frame_videos = False  # temporal's whole-video budget does not fit per-frame placeholder runs
-    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune")
+    tower_methods = ("visionzip", "vflowopt", "vispruner", "hiprune", "scope")
 
     def _pruned_update(self, update: Any, out_mm_kwargs: Any) -> Any:
         if update.modality != "video":

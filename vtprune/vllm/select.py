@@ -202,6 +202,20 @@ def vispruner_rows(attention: torch.Tensor, features: torch.Tensor, keep: float)
     return torch.sort(picks).values
 
 
+def scope_rows(attention: torch.Tensor, features: torch.Tensor, keep: float) -> torch.Tensor:
+    """SCOPE (NeurIPS 2025, arXiv:2510.24214) on one image or frame: sorted kept rows ``[keep_count(keep, n)]``.
+
+    attention: ``[n]`` the saliency, the attention each token receives at the scored tower layer; features:
+    ``[n, D]`` what the coverage compares (as :func:`vispruner_rows`' features). vtprune's
+    :func:`vtprune.methods.scope.saliency_coverage_order` at the release's alpha: its first picks.
+    """
+    from vtprune.methods.scope import RELEASED_ALPHA, saliency_coverage_order
+
+    picks = saliency_coverage_order(attention, features.to(attention.device), keep_count(keep, attention.shape[0]),
+                                    RELEASED_ALPHA)
+    return torch.sort(picks).values
+
+
 def hiprune_rows(shallow: torch.Tensor, deep: torch.Tensor, keep: float, width: int) -> torch.Tensor:
     """HiPrune (arXiv:2508.00553) on one image or frame: sorted kept rows ``[keep_count(keep, n)]``.
 

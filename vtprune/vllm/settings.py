@@ -13,7 +13,7 @@ from typing import Any
 
 PLUGIN = "vtprune.vllm"
 #: Methods whose kept count is known before the vision tower runs (a fixed fraction of each image's tokens).
-PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt", "vispruner", "hiprune")
+PRE_LLM_METHODS = ("divprune", "random", "temporal", "visionzip", "vflowopt", "vispruner", "hiprune", "scope")
 #: Methods that prune inside the language model (vtprune.vllm.layerwise): stage layers fixed at start-up, the kept
 #: count of every stage a function of the request's visual tokens and keep.
 LAYER_METHODS = ("fastv", "pdrop", "transprune", "ttv", "dart")
@@ -24,7 +24,8 @@ RETENTION_METHODS = ("prefixkv",)
 VLLM_METHODS = PRE_LLM_METHODS + LAYER_METHODS + RETENTION_METHODS
 #: Methods that read the vision tower's attention (recomputed inside vLLM's tower) -> the families that run them.
 TOWER_FAMILIES = {"visionzip": "LLaVA-1.5 and Qwen-VL", "vflowopt": "LLaVA-1.5 and Qwen-VL",
-                  "vispruner": "LLaVA-1.5 and Qwen-VL", "hiprune": "LLaVA-1.5 and Qwen-VL"}
+                  "vispruner": "LLaVA-1.5 and Qwen-VL", "hiprune": "LLaVA-1.5 and Qwen-VL",
+                  "scope": "LLaVA-1.5 and Qwen-VL"}
 TOWER_METHODS = tuple(TOWER_FAMILIES)
 #: Methods that score images only (vtprune's transformers path refuses their video too).
 IMAGE_METHODS = ("vflowopt",)
@@ -42,8 +43,6 @@ NOT_YET = {
                  "its raters read the language model's input embeddings, which the runtime does not capture",
     "vscan": "it prunes in two places, a vision-tower stage with merging before the language model and a stage "
              "inside it, and the plugin runs either a pre-LLM or a layer-wise method per model, not both",
-    "scope": "its coverage greedy is not wired into the plugin's tower path yet (it reads vispruner's maps: the "
-             "feature layer's attention and output per crop on LLaVA-1.5, attention and embeddings on Qwen-VL)",
     "idpruner": "its MMR ranks the LLM-input embeddings by a Vision Selector model's or the vision tower's scores, "
                 "and the plugin's pre-LLM path does not run a selector model or join tower scores to embeddings yet",
 }
