@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recompute the embedded-model results under docs/results/ and their calibration files (CPU, ~30 min).
+# Recompute the embedded-model results under docs/results/ and their calibration files (CPU, 1 thread: 20-25 min per embedded model on a loaded 2-core machine).
 # speed-proxy and kernels have their own commands (docs/results/README.md).
 # Run after training new embedded models (vtprune bench train ...); see docs/results/README.md.
 set -euo pipefail
