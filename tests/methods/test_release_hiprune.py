@@ -121,12 +121,11 @@ def test_bad_options_are_refused_in_one_line():
         vtprune.wrap(qwen25, "hiprune", keep=0.25, object_layer=0)
 
 
-def test_the_vllm_plugin_refuses_it_at_start_up_in_one_line():
+def test_the_vllm_plugin_serves_it_through_the_tower_path():
     from vtprune.vllm import settings
 
-    with pytest.raises(ValueError, match="hiprune.*not available in the vLLM plugin") as error:
-        settings.VllmPruning.from_dict({"method": "hiprune", "keep": 0.25})
-    assert "\n" not in str(error.value)
+    assert settings.VllmPruning.from_dict({"method": "hiprune", "keep": 0.25}).method == "hiprune"
+    assert "hiprune" in settings.TOWER_METHODS and "hiprune" not in settings.NOT_YET
 
 
 def test_parity_release_takes_the_exact_tower_map():

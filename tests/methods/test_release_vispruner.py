@@ -93,12 +93,11 @@ def test_bad_options_are_refused_in_one_line():
         vtprune.wrap(model, "vispruner", keep=0.25, vit_layer=7)
 
 
-def test_the_vllm_plugin_refuses_it_at_start_up_in_one_line():
+def test_the_vllm_plugin_serves_it_through_the_tower_path():
     from vtprune.vllm import settings
 
-    with pytest.raises(ValueError, match="vispruner.*not available in the vLLM plugin.*features") as error:
-        settings.VllmPruning.from_dict({"method": "vispruner", "keep": 0.25})
-    assert "\n" not in str(error.value)
+    assert settings.VllmPruning.from_dict({"method": "vispruner", "keep": 0.25}).method == "vispruner"
+    assert "vispruner" in settings.TOWER_METHODS and "vispruner" not in settings.NOT_YET
 
 
 def test_parity_release_takes_the_exact_tower_map():
