@@ -71,20 +71,6 @@ def proxy_folder(name: str, root: Path) -> Path:
     return target
 
 
-def images(count: int, size: int, seed: int = 0) -> list:
-    """``count`` distinct random RGB images (no two share a multimodal hash)."""
-    import numpy as np
-    from PIL import Image
-
-    generator = np.random.default_rng(seed)
-    return [Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
-
-
-def prompt_text(tokenizer) -> str:
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 async def run_load(engine, prompt: str, pictures: list, concurrency: int, max_tokens: int) -> tuple[list, float]:
     """Send one request per picture, at most ``concurrency`` in flight; per-request records and wall seconds."""
     from vllm import SamplingParams
@@ -168,6 +154,8 @@ async def _measure_vllm(model: str, folder: Path, methods: list[str], keep: floa
     engines = {method: _engine(folder, model, method, keep, args, kv_bytes) for method in methods}
     rows = []
     try:
+        from vtprune.eval.speed.serving_engines import images, prompt_text
+
         prompt = prompt_text(engines[methods[0]].get_tokenizer())
         for engine in engines.values():
             await run_load(engine, prompt, images(2, size, seed=99), 2, args.max_tokens)  # warm-up
@@ -227,6 +215,8 @@ def measure_transformers(model_name: str, folder: Path, method: str, keep: float
     handle = vtprune.wrap(model, method, keep=keep) if method != "none" else None
     size = config["vision_config"]["image_size"]
     visual = (size // config["vision_config"]["patch_size"]) ** 2
+    from vtprune.eval.speed.serving_engines import images, prompt_text
+
     records, prompt = [], prompt_text(processor)
     pictures = images(args.transformers_requests + 1, size, seed=7)
     start = None

@@ -31,6 +31,20 @@ from typing import Any
 PROMPT_TEXT = 10  # the benchmark prompt's text tokens beside its 576 image tokens (586 in all, on LLaVA's template)
 
 
+def images(count: int, size: int, seed: int = 0) -> list:
+    """``count`` distinct random RGB images (no two share a multimodal hash)."""
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(seed)
+    return [Image.fromarray(generator.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)]
+
+
+def prompt_text(tokenizer) -> str:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the image?"}]}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def engine_options(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace,
                    kv_bytes: int | None = None) -> dict:
     """vLLM engine arguments of ``method``'s engine (``none``: stock vLLM at its defaults)."""
@@ -102,7 +116,6 @@ def layer_blocks(scheduler: Any, request_id: str) -> float | None:
 def engine_blocks(folder: Path, model: str, method: str, keep: float, args: argparse.Namespace) -> dict:
     """``engine_block_size``, ``kv_blocks_engine`` and ``kv_blocks_formula`` of one request on ``method``'s engine."""
     from vllm import LLM, SamplingParams
-    from vtprune.eval.speed.serving import images, prompt_text
     from vtprune.eval.speed.serving_kv import kv_fields
 
     previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
