@@ -19,6 +19,6 @@ $V bench --model embedded:qwen2_vl --images 100 --threads 1 \
 $V bench --model embedded:llava64 --images 100 --threads 1 \
   --methods none,random,oracle,fastv,fastv+debias,pdrop,pdrop+debias,transprune,ttv,vflowopt,visionzip,divprune,dart,prefixkv,sparsevlm,vispruner,cdpruner,vscan,mmtok,hiprune,scope,idpruner \
   --keep 1,0.5,0.25,0.1 --out docs/results/embedded-llava64 --force
-$V bench --video --model embedded:qwen2_vl --clips 30 --threads 2 --open-ended --answer score \
-  --methods none,fastv,pdrop,fastv@per_frame,pdrop@per_frame,temporal,temporal@fastv \
+$V bench --video --model embedded:qwen2_vl --clips 30 --threads 1 --open-ended --answer score \
+  --methods none,fastv,pdrop,fastv@per_frame,pdrop@per_frame,temporal,temporal@fastv,sparsevlm,vispruner,cdpruner,vscan,mmtok,hiprune,scope,idpruner \
   --keep 1,0.5,0.25,0.11 --out docs/results/embedded-qwen2vl-video --force
