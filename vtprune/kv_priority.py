@@ -22,14 +22,16 @@ KEEP_BYTES = 64 * 2**20  # a row block's scores up to this size are kept for the
 
 
 def received_attention(query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
-                       query_valid: torch.Tensor, key_valid: torch.Tensor, scaling: float, block: int = BLOCK
-                       ) -> torch.Tensor:
+                       query_valid: torch.Tensor, key_valid: torch.Tensor, scaling: float, block: int = BLOCK,
+                       rows_at_positions: bool = False) -> torch.Tensor:
     """``[B, L]`` float32: the head-averaged causal attention each key receives, summed over the valid query rows.
 
     query ``[B, H, Q, d]`` (post-RoPE) at ``query_positions`` ``[B, Q]`` (row ``q`` sees the keys ``l <=
     query_positions[b, q]`` with ``key_valid[b, l]``), key ``[B, H_kv, L, d]`` (query head ``h`` reads key head
     ``h // (H / H_kv)``), ``query_valid`` ``[B, Q]`` / ``key_valid`` ``[B, L]`` bool. A row that sees no key adds
     nothing. The sum over rows splits over row subsets: a prompt prefilled in chunks sums its chunks' results.
+    ``rows_at_positions``: the caller knows that row ``q`` sits at position ``q`` in every sample (a whole prompt's
+    rows), so the causal spans come from the shapes, with no read of the device's values (no host sync).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r} must be a positive int (rows and keys per block).")
@@ -43,14 +45,16 @@ def received_attention(query: torch.Tensor, key: torch.Tensor, query_positions: 
     positions = query_positions.to(device=device, dtype=torch.long)
     weights = query_valid.to(device).float() / heads  # [B, Q]: a row's share of the head average
     key_valid = key_valid.to(device)
-    every_key = bool(key_valid.all())
-    last = positions.amax(dim=0).cpu()  # [Q] the last key any sample's row q sees (one host read)
+    every_key = not rows_at_positions and bool(key_valid.all())  # masks every block when the positions are known
+    last = None if rows_at_positions else positions.amax(dim=0).cpu()  # [Q] the last key row q sees (one host read)
     total = torch.zeros(batch, length, dtype=torch.float32, device=device)
     for start in range(0, rows, block):
         part = slice(start, start + block)
-        end = min(int(last[part].max()) + 1, length)
+        end = min(min(start + block, rows) if last is None else int(last[part].max()) + 1, length)
         spans = [(k, min(k + block, end)) for k in range(0, end, block)]
-        scores = _ScoreBlocks(grouped[:, :, :, part], keys, positions[:, part], key_valid, every_key, scaling)
+        first_row = start if last is None else int(positions[:, part].amin().cpu())
+        scores = _ScoreBlocks(grouped[:, :, :, part], keys, positions[:, part], key_valid, every_key, scaling,
+                              first_row)
         kept = math.prod(scores.shape) * end * 4 <= KEEP_BYTES  # this row block's scores fit: the second pass reuses them
         lse, held = torch.full(scores.shape, float("-inf"), device=device), []
         for first, stop in spans:
@@ -69,10 +73,10 @@ class _ScoreBlocks:
     """Masked, scaled scores ``[B, H_kv, G, rows, keys]`` of one row block against key blocks."""
 
     def __init__(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-                 every_key: bool, scaling: float) -> None:
+                 every_key: bool, scaling: float, first_row: int) -> None:
         self.query, self.key, self.positions, self.key_valid = query, key, positions, key_valid
         self.every_key, self.scaling = every_key, scaling
-        self.first_row = int(positions.amin().cpu())
+        self.first_row = first_row  # the block's first position: rows see at least the keys up to it
         self.shape = query.shape[:-1]
 
     def __call__(self, first: int, stop: int) -> torch.Tensor:

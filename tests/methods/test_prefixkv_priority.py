@@ -66,6 +66,19 @@ def test_blocks_equal_the_softmax_matrix(batch, heads, kv_heads, rows, keys, blo
         torch.testing.assert_close(got.sum(dim=1), torch.full((batch,), float(rows)))
 
 
+@pytest.mark.parametrize("block", [1, 3, 4, 256])
+def test_rows_at_their_positions_need_no_host_read_and_equal_the_matrix(block):
+    """A whole prompt's rows (row q at position q, padded keys and rows): the spans come from the shapes."""
+    generator = torch.Generator().manual_seed(block)
+    query, key = torch.randn(2, 4, 9, 8, generator=generator), torch.randn(2, 2, 9, 8, generator=generator)
+    positions = torch.arange(9)[None].expand(2, -1)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    want = received_attention_reference(query, key, positions, valid, valid, 0.3)
+    got = received_attention(query, key, positions, valid, valid, 0.3, block, rows_at_positions=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_rows_split_into_chunks_sum_to_the_whole():
     generator = torch.Generator().manual_seed(3)
     query, key = torch.randn(1, 4, 10, 8, generator=generator), torch.randn(1, 2, 10, 8, generator=generator)

@@ -127,7 +127,8 @@ def priority(ctx: ScoreContext, rows: int | None = None) -> torch.Tensor:
         mask = torch.ones_like(index, dtype=torch.bool)
     query, key = ctx.adapter.project_qk(ctx.layer, ctx.hidden, ctx.position_embeddings, index)
     scaling = float(getattr(ctx.layer.self_attn, "scaling", query.shape[-1] ** -0.5))
-    return received_attention(query, key, index, mask, ctx.valid, scaling).to(ctx.valid.device)
+    return received_attention(query, key, index, mask, ctx.valid, scaling,
+                              rows_at_positions=rows is None).to(ctx.valid.device)
 
 
 def _not_int(value: object) -> bool:
