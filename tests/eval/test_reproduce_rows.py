@@ -133,21 +133,21 @@ def test_the_leaders_rows_cite_their_tables_and_say_how_they_were_read() -> None
     assert rel5 == {0.2: 94.6, 0.1: 88.5, 0.05: 79.0}  # MMTok Table 3, Avg.
 
 
-def test_the_leaders_rows_are_planned_with_the_release_presets() -> None:
-    """Each registered leader gets one run per budget, SparseVLM with its release preset (retain=N passed to the
-    method); a leader this vtprune lacks is left out of the plan and refused by name, never a crash."""
+def test_the_leaders_rows_are_planned_with_the_release_presets(monkeypatch) -> None:
+    """Each leader gets one run per budget, SparseVLM with its release preset (retain=N passed to the method); a
+    leader this vtprune lacks (simulated: the registry without hiprune) is left out of the plan and refused by name,
+    never a crash."""
     import vtprune
 
     registered = set(vtprune.list_methods())
+    assert LEADERS <= registered
     runs = reproduce.plan(load_papers(), registered=registered)
-    planned = {s.method for s in runs}
-    assert planned & LEADERS == LEADERS & registered and not (LEADERS - registered) & planned
-    missing = sorted(LEADERS - registered)
-    if missing:
-        with pytest.raises(SystemExit, match=f"--methods {missing[0]}: not in this vtprune"):
-            reproduce.main(["--print-commands", "--methods", missing[0]])
-    if "sparsevlm" not in registered:
-        pytest.skip("sparsevlm is not registered in this vtprune")
+    assert LEADERS <= {s.method for s in runs}
+    without = registered - {"hiprune"}
+    assert "hiprune" not in {s.method for s in reproduce.plan(load_papers(), registered=without)}
+    monkeypatch.setattr(vtprune, "list_methods", lambda: sorted(without))
+    with pytest.raises(SystemExit, match="--methods hiprune: not in this vtprune"):
+        reproduce.main(["--print-commands", "--methods", "hiprune"])
     sparse = sorted((s for s in runs if s.method == "sparsevlm"), key=lambda s: s.keep)
     assert [s.options for s in sparse] == ["retain=64", "retain=128", "retain=192"]
     for setting in sparse:

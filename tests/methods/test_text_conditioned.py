@@ -20,7 +20,7 @@ from vtprune.models.tiny import random_image, tiny_inputs, tiny_model
 from vtprune.scoring import ScoreContext
 
 torch.set_num_threads(1)
-TEXT_METHODS = [name for name in ("cdpruner", "mmtok") if name in vtprune.list_methods()]
+TEXT_METHODS = ["cdpruner", "mmtok"]
 QUESTIONS = ("what color is the circle?", "how many squares are there in the picture?")
 
 
@@ -127,7 +127,6 @@ def _instruction_ids(model, inputs: dict) -> torch.Tensor:
     return ids[int(image.nonzero().max()) + 1:]
 
 
-@pytest.mark.skipif("mmtok" not in TEXT_METHODS, reason="mmtok not registered")
 @pytest.mark.parametrize("model_type", ["llava", "qwen2_5_vl"])
 def test_mmtok_selects_what_the_release_rule_gives_on_independently_computed_inputs(model_type):
     """LLaVA: ``v`` = the tower's feature-layer patches (CLS dropped), ``x`` = the projector's output of them;
@@ -160,7 +159,6 @@ def test_mmtok_selects_what_the_release_rule_gives_on_independently_computed_inp
     assert _kept(model, inputs, "mmtok")[0][0] == expected
 
 
-@pytest.mark.skipif("mmtok" not in TEXT_METHODS, reason="mmtok not registered")
 def test_mmtok_options_are_checked_and_the_lm_space_runs_batched():
     for options, match in (({"alpha": 0}, "alpha=0"), ({"tv_temperature": -1.0}, "tv_temperature=-1.0"),
                            ({"vv_temperature": True}, "vv_temperature=True"), ({"vision_space": "clip"}, "'tower'")):
