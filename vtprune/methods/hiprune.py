@@ -44,7 +44,7 @@ from vtprune.methods import lm_inputs, options, tower, vit
 from vtprune.methods.base import Capture, Scorer
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
-from vtprune.methods.vispruner import pick_priority
+from vtprune.methods.tower_picks import pick_priority
 from vtprune.scoring import ScoreContext
 
 RELEASED_ALPHA = 0.1

@@ -37,16 +37,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from vtprune.config import Stage
-from vtprune.methods import lm_inputs, options, tower
-from vtprune.methods.base import Capture, Scorer
+from vtprune.methods import options, tower
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
-from vtprune.methods.vispruner import pick_priority
-from vtprune.scoring import ScoreContext
+from vtprune.methods.tower_picks import TowerPicker
 
 RELEASED_ALPHA = 1.0  # ALPHA=1.0 in the release's run scripts; AngelSlim's configs: alpha 1.0
-KEY = "scope"
 FEATURES = ("auto", "lm")
 
 
@@ -81,13 +77,13 @@ def saliency_coverage_order(saliency: torch.Tensor, features: torch.Tensor, coun
 
 @register_method
 @dataclass(frozen=True)
-class Scope(Scorer):
+class Scope(TowerPicker):
     """Saliency-weighted coverage gain (greedy), per crop or image, pre-LLM (SCOPE)."""
 
     name: ClassVar[str] = "scope"
-    requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
     release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="kinredon/SCOPE",
                                                  options=(("queries", "all"),))
+    extra_picks: ClassVar[bool] = True  # a few picks beyond an image's quota settle rounding between images
     alpha: float = RELEASED_ALPHA
     features: str = "auto"
     vit_layer: int | None = None
@@ -100,55 +96,12 @@ class Scope(Scorer):
             raise ValueError(f"features={self.features!r}: use 'auto' (the feature layer's output on LLaVA towers, as "
                              "the authors' release) or 'lm' (the LLM-input embeddings, AngelSlim's rule).")
 
-    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        return (Stage(0, keep),)
-
     def per_image(self, adapter: Any) -> bool:
         """Whether selection runs per image on LLM-input embeddings (Qwen-VL, ``features="lm"``), not per crop."""
         return tower.is_qwen(adapter) or self.features == "lm"
 
-    def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
-        maps = tower.captures(adapter, KEY, self.vit_layer, self.name, "auto", self.queries)
-        if self.per_image(adapter):
-            later = any(s.layer > 0 for s in stages)
-            return (*maps, *((lm_inputs.lm_input_capture(adapter),) if later else ()))
-        index = tower.resolve_layer(adapter, self.vit_layer, self.name)
-        return (*maps, tower.feature_capture(adapter, index, KEY + "_features"))
-
-    def score(self, ctx: ScoreContext) -> torch.Tensor:
-        if self.per_image(ctx.adapter):
-            return self._score_images(ctx)
-        table = ctx.state.get(KEY + "_table")
-        if table is None or ctx.state.get(KEY + "_keep") != ctx.stage.keep:
-            attention = tower.crop_records(ctx, KEY, self.name)
-            features = tower.crop_records(ctx, KEY + "_features", self.name)
-            quota = ctx.kept_count(attention.shape[1])
-            priority = torch.stack([pick_priority(a, saliency_coverage_order(a, f, quota, self.alpha))
-                                    for a, f in zip(attention, features, strict=True)])
-            table = tower.crop_table(ctx, priority, self.name)
-            ctx.state[KEY + "_table"], ctx.state[KEY + "_keep"] = table, ctx.stage.keep
-        values = table.gather(1, ctx.ordinal.clamp(min=0))
-        return lm_inputs.per_image_scores(ctx, lambda row, groups, quota: values[row])
-
-    def _score_images(self, ctx: ScoreContext) -> torch.Tensor:
-        """Each image or frame picks from its tokens' attention and LLM-input embeddings."""
-        attention, _ = tower.token_maps(ctx, KEY, self.name)
-        attention = attention.gather(1, ctx.ordinal.clamp(min=0))
-        embeddings = lm_inputs.input_embeddings(ctx)
-        alive = ctx.visual & ctx.valid
-
-        def priority(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
-            for group in groups[alive[row]].unique().tolist():
-                slots = (alive[row] & (groups == group)).nonzero().flatten()
-                values = attention[row, slots]
-                # a few picks beyond the quota settle the engine's rounding differences between images
-                picks = saliency_coverage_order(values, embeddings[row, slots].to(values.device),
-                                                int(quota[group]) + len(quota), self.alpha)
-                out[slots] = pick_priority(values, picks).to(out.device)
-            return out
-
-        return lm_inputs.per_image_scores(ctx, priority)
+    def pick(self, attention: torch.Tensor, features: torch.Tensor, quota: int) -> torch.Tensor:
+        return saliency_coverage_order(attention, features, quota, self.alpha)
 
 
 __all__ = ["Scope", "saliency_coverage_order"]

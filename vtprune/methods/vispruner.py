@@ -34,20 +34,17 @@ all of ``a``'s survivors (the same rule). ``vit_layer`` picks another layer; ``q
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from vtprune.config import Stage
-from vtprune.methods import lm_inputs, options, tower
-from vtprune.methods.base import Capture, Scorer
+from vtprune.methods import options
 from vtprune.methods.registry import register_method
 from vtprune.methods.release import ReleaseRule
-from vtprune.scoring import ScoreContext
+from vtprune.methods.tower_picks import TowerPicker, pick_priority
 
 RELEASED_RATIO = 0.5  # --important_ratio default of the release's eval scripts
 STEP = 8  # duplicates removed per round (min(8, R - need))
-KEY = "vispruner"
 
 
 # -- pure functions ----------------------------------------------------------------------------------------
@@ -83,27 +80,12 @@ def important_diverse(attention: torch.Tensor, features: torch.Tensor, count: in
     return torch.cat([important, residual[local]])
 
 
-def pick_priority(values: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
-    """``[n]`` priorities in ``(0, 1)``: the picks first in pick order (``0.5 .. 0.99``), then the other tokens by
-    ``values`` (higher first, ``0 .. 0.5``; ties: the earlier token). values: ``[n]``; picks: ``[k]``."""
-    n = values.shape[0]
-    out = torch.empty(n, dtype=torch.float32, device=values.device)
-    rest = torch.ones(n, dtype=torch.bool, device=values.device)
-    rest[picks] = False
-    ranked = torch.sort(values.float().masked_fill(~rest, float("-inf")), descending=True, stable=True).indices
-    out[ranked] = 0.5 * (1.0 - (torch.arange(n, device=values.device, dtype=torch.float32) + 1) / (n + 1))
-    k = picks.numel()
-    out[picks] = 0.99 - 0.49 * torch.arange(k, device=values.device, dtype=torch.float32) / max(k, 1)
-    return out
-
-
 @register_method
 @dataclass(frozen=True)
-class VisPruner(Scorer):
+class VisPruner(TowerPicker):
     """Important tokens by vision-tower [CLS] attention + diverse tokens by duplicate removal, pre-LLM (VisPruner)."""
 
     name: ClassVar[str] = "vispruner"
-    requires: ClassVar[frozenset[str]] = frozenset({"vit_attention"})
     release: ClassVar[ReleaseRule] = ReleaseRule(count="round", positions="original", source="Theia-4869/VisPruner",
                                                  options=(("queries", "all"),))
     important_ratio: float = RELEASED_RATIO
@@ -114,49 +96,8 @@ class VisPruner(Scorer):
         options.number(self.important_ratio, "important_ratio", 0.0, 1.0,
                        hint=" (share of the kept tokens chosen by attention; the release: 0.5)")
 
-    def schedule(self, num_layers: int, keep: float) -> tuple[Stage, ...]:
-        return (Stage(0, keep),)
-
-    def captures(self, adapter: Any, stages: tuple[Stage, ...]) -> tuple[Capture, ...]:
-        maps = tower.captures(adapter, KEY, self.vit_layer, self.name, "auto", self.queries)
-        if tower.is_qwen(adapter):
-            later = any(s.layer > 0 for s in stages)
-            return (*maps, *((lm_inputs.lm_input_capture(adapter),) if later else ()))
-        index = tower.resolve_layer(adapter, self.vit_layer, self.name)
-        return (*maps, tower.feature_capture(adapter, index, KEY + "_features"))
-
-    def score(self, ctx: ScoreContext) -> torch.Tensor:
-        if tower.is_qwen(ctx.adapter):
-            return self._score_images(ctx)
-        table = ctx.state.get(KEY + "_table")
-        if table is None or ctx.state.get(KEY + "_keep") != ctx.stage.keep:
-            attention = tower.crop_records(ctx, KEY, self.name)
-            features = tower.crop_records(ctx, KEY + "_features", self.name)
-            quota = ctx.kept_count(attention.shape[1])
-            priority = torch.stack([pick_priority(a, important_diverse(a, f, quota, self.important_ratio))
-                                    for a, f in zip(attention, features, strict=True)])
-            table = tower.crop_table(ctx, priority, self.name)
-            ctx.state[KEY + "_table"], ctx.state[KEY + "_keep"] = table, ctx.stage.keep
-        values = table.gather(1, ctx.ordinal.clamp(min=0))
-        return lm_inputs.per_image_scores(ctx, lambda row, groups, quota: values[row])
-
-    def _score_images(self, ctx: ScoreContext) -> torch.Tensor:
-        """Qwen-VL: each image or frame picks from its merged tokens' attention and LLM-input embeddings."""
-        attention, _ = tower.token_maps(ctx, KEY, self.name)
-        attention = attention.gather(1, ctx.ordinal.clamp(min=0))
-        embeddings = lm_inputs.input_embeddings(ctx)
-        alive = ctx.visual & ctx.valid
-
-        def priority(row: int, groups: torch.Tensor, quota: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
-            for group in groups[alive[row]].unique().tolist():
-                slots = (alive[row] & (groups == group)).nonzero().flatten()
-                values = attention[row, slots]
-                picks = important_diverse(values, embeddings[row, slots], int(quota[group]), self.important_ratio)
-                out[slots] = pick_priority(values, picks.to(values.device)).to(out.device)
-            return out
-
-        return lm_inputs.per_image_scores(ctx, priority)
+    def pick(self, attention: torch.Tensor, features: torch.Tensor, quota: int) -> torch.Tensor:
+        return important_diverse(attention, features, quota, self.important_ratio)
 
 
 __all__ = ["VisPruner", "important_diverse", "pick_priority"]
