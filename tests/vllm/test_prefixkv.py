@@ -75,6 +75,60 @@ def test_prefixkv_equals_the_transformers_path(case, prompts):
     assert any(len(set(map(len, item))) > 1 for item in got)  # the layers keep different counts
 
 
+def block_ledger(llm, run):
+    """``(records, scheduler)`` of ``run()``: after every ``schedule``, per request and layer, ``(request id, layer,
+    blocks held, tokens computed, visual tokens, entries the layer evicted or None)`` from vtprune's scheduler."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vtprune.vllm.layerwise.kv import RetainedManager
+    from vtprune.vllm.layerwise.requests import visual_positions
+
+    records, seen = [], []
+    original = Scheduler.schedule
+
+    def schedule(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        seen[:] = [self]
+        for request_id, request in self.requests.items():
+            visual = int(visual_positions(request.mm_features or []).numel())
+            for manager in self.kv_cache_manager.coordinator.single_type_managers:
+                if isinstance(manager, RetainedManager) and request_id in manager.req_to_blocks:
+                    evicted = self.vtprune_evicted.get(request_id)
+                    layer = manager.kv_cache_spec.layer
+                    records.append((request_id, layer, len(manager.req_to_blocks[request_id]),
+                                    request.num_computed_tokens, visual, None if evicted is None else evicted[layer]))
+        return out
+
+    Scheduler.schedule = schedule
+    try:
+        run()
+    finally:
+        Scheduler.schedule = original
+    return records, seen[0]
+
+
+def test_each_layer_frees_the_blocks_past_its_kept_entries(case, prompts):
+    """Every decoder layer is a KV cache group of its own; once a prefill ends, each layer holds ``cdiv(tokens -
+    evicted, 32)`` blocks, its evicted entries are those the transformers path evicts, and every block is back in the
+    pool when the requests end."""
+    llm, model, _, _, layers = case
+    depth = len(layers[0])
+    records, scheduler = block_ledger(llm, lambda: engine_steps(llm, prompts))
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    assert len(groups) == depth and all(len(g.layer_names) == 1 for g in groups)
+    for request_id, layer, blocks, computed, visual, evicted in records:
+        assert blocks == -(-(computed - (evicted or 0)) // 32), (request_id, layer, blocks, computed, evicted)
+    kept = collections.defaultdict(dict)
+    for request_id, layer, _, _, visual, evicted in records:
+        if evicted is not None:
+            kept[request_id][layer] = visual - evicted
+    got = collections.Counter(tuple(v[i] for i in range(depth)) for v in kept.values())
+    assert got == collections.Counter(tuple(map(len, item)) for item in layers)
+    assert scheduler.vtprune_released > 0
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # the null block aside, nothing leaked
+
+
 def test_controls_fail_the_same_check(case, prompts):
     llm, _, _, want, _ = case
     assert step_gap(engine_steps(llm, prompts, keep=1.0), want) > 0.01  # the unpruned model's decoding differs

@@ -193,8 +193,12 @@ class PrunedModelMixin:
             from vtprune.vllm.layerwise.config import served_retention
             from vtprune.vllm.layerwise.retention import RetentionRuntime
 
+            from vtprune.vllm.layerwise import kv
+
             scorer = served_retention(vllm_config.model_config)
-            return RetentionRuntime(self, scorer, self.vtprune.keep, runner, self.vtprune_selections)
+            runtime = RetentionRuntime(self, scorer, self.vtprune.keep, runner, self.vtprune_selections)
+            kv.use_retained_specs(dict(enumerate(runtime.attention)))
+            return runtime
         from vtprune.vllm.layerwise import kv
         from vtprune.vllm.layerwise.config import served_plan
         from vtprune.vllm.layerwise.runtime import LayerwiseRuntime

@@ -18,8 +18,12 @@ Decoding reads only the kept entries. After a preemption vLLM recomputes the req
 layer over every prompt entry, as the first time), its rows are rewritten to each layer's kept entries of the first
 prefill (kept in the request's record: no second selection), and vtprune's scheduler
 (:mod:`vtprune.vllm.layerwise.retention_scheduler`) ends that step at the prompt's end, so the generated rows run in
-later steps over each layer's kept entries, as their first decode did. The KV memory is not freed: vLLM allocates a
-request's blocks before the counts are known, and frees them whole.
+later steps over each layer's kept entries, as their first decode did.
+
+The memory is freed: every decoder layer is a KV cache group of its own (:func:`vtprune.vllm.layerwise.kv.use_retained_specs`).
+When a prefill ends, the runner's block table rows of each layer are cut after its kept entries, and the counts go
+to the scheduler in the step's output (:data:`REPORT`, rank 0's), whose layer managers return the same blocks to
+vLLM's pool (:mod:`vtprune.vllm.layerwise.retention_scheduler`) before the next step is scheduled.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from vtprune.vllm.layerwise import scoring
 from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, region_layout, slot_mapping
 from vtprune.vllm.layerwise.metadata import ForwardContextSwap, layer_group, step_batch
 from vtprune.vllm.layerwise.requests import request_keep, visual_positions
+
+#: the attribute of a step's ``ModelRunnerOutput`` that carries ``{request id: entries each layer evicted}``
+REPORT = "vtprune_evicted"
 
 
 @dataclass
@@ -103,15 +110,46 @@ class RetentionRuntime:
             self.handles.append(self.attention[index].register_forward_pre_hook(partial(self._attend, index),
                                                                                 with_kwargs=True))
         self.handles.append(self.lm.norm.register_forward_hook(self._end))
+        #: request id -> entries each layer evicted, for this step's output (:meth:`_report`)
+        self.reports: dict[str, tuple[int, ...]] = {}
+        self._wrap_outputs(runner)
+
+    def _wrap_outputs(self, runner: Any) -> None:
+        """Attach :attr:`reports` to the runner's next ``ModelRunnerOutput`` (instance attributes over
+        ``execute_model`` and ``sample_tokens``; :meth:`remove` deletes them)."""
+        self.wrapped = []
+        for name in ("execute_model", "sample_tokens"):
+            stock = getattr(runner, name, None)
+            if stock is None:
+                continue
+
+            def call(*args: Any, _stock: Any = stock, **kwargs: Any) -> Any:
+                return self._report(_stock(*args, **kwargs))
+
+            setattr(runner, name, call)
+            self.wrapped.append(name)
+
+    def _report(self, output: Any) -> Any:
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        if self.reports and isinstance(output, ModelRunnerOutput) and output is not EMPTY_MODEL_RUNNER_OUTPUT:
+            setattr(output, REPORT, self.reports)
+            self.reports = {}
+        return output
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        runner = self.runner()
+        for name in self.wrapped if runner is not None else ():
+            runner.__dict__.pop(name, None)
+        self.wrapped = []
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         self.steps, self.prefilling, self.decoding = None, [], False
+        self.reports = {}  # the last step's went out with its output (rank 0) or nowhere (other ranks)
         runner = self.runner()
         step = step_batch(runner)
         if step is None:
@@ -226,9 +264,9 @@ class RetentionRuntime:
         evicted, ordinals = [], []
         ordinal = torch.full((step.prompt,), -1, dtype=torch.long)
         ordinal[record.visual] = torch.arange(record.visual.numel())
+        request_id = runner.input_batch.req_ids[step.index]
         for layer, attention in enumerate(self.attention):
-            prompt_rows = kept[layer].nonzero().flatten().cpu()
-            rows = prompt_rows
+            rows = kept[layer].nonzero().flatten().cpu()
             keys = torch.cat([k for k, _ in record.entries[layer]])
             values = torch.cat([v for _, v in record.entries[layer]])
             gid, _ = layer_group(runner, attention.layer_name)
@@ -238,9 +276,22 @@ class RetentionRuntime:
             device_rows = rows.to(keys.device)
             attention.impl.do_kv_cache_update(attention, keys[device_rows], values[device_rows], attention.kv_cache,
                                               slots)
-            evicted.append(step.prompt - prompt_rows.numel())
-            ordinals.append([int(o) for o in ordinal[prompt_rows] if o >= 0])
+            cut_blocks(runner, request_id, step.index, gid, rows.numel())
+            evicted.append(step.prompt - rows.numel())
+            ordinals.append([int(o) for o in ordinal[rows] if o >= 0])
         record.evicted, record.kept = tuple(evicted), kept
+        self.reports[request_id] = record.evicted
         record.priority, record.keys, record.entries = [], [], []
         if first:
             self.selections.append(ordinals)
+
+
+def cut_blocks(runner: Any, request_id: str, row: int, gid: int, entries: int) -> None:
+    """Cut the request's blocks of KV cache group ``gid`` after its first ``entries`` slots, in the runner's state
+    and in its block table row ``row`` (the scheduler frees the same blocks when it reads this step's report)."""
+    spec_size = runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.block_size
+    del runner.requests[request_id].block_ids[gid][-(-entries // spec_size):]
+    table = runner.input_batch.block_table[gid]
+    keep = -(-entries // table.block_size)
+    table.block_table.np[row, keep:table.num_blocks_per_row[row]] = 0
+    table.num_blocks_per_row[row] = min(int(table.num_blocks_per_row[row]), keep)
