@@ -22,6 +22,7 @@ from layerwise_support import TOLERANCE, engine_steps, reference_steps, selectio
 from test_layerwise import start
 from workers import break_layerwise, break_retention
 
+STEPS_LONG = 40  # decoded tokens in the preemption tests: long enough that freed layers need blocks again
 FAMILIES = ("llava", "qwen2_vl", "llava_next", "qwen3_vl")  # the last two: tiny 4-layer checkpoints
 
 
@@ -153,6 +154,30 @@ def test_keep_one_equals_the_unpruned_model(case, prompts):
     assert selections(llm) == []
 
 
+def test_per_request_keeps_in_one_batch(case, prompts):
+    """Keeps 0.25, 0.5 and 1.0 side by side in one ``generate`` call: each request equals the transformers path at its
+    own keep, and the requests at 1.0 hold every block (nothing reported, nothing freed)."""
+    from layerwise_support import prompt
+    from vllm import SamplingParams
+
+    llm, model, processor, _, _ = case
+    keeps = [0.5, 1.0, 0.25, 0.5]
+    want = {keep: reference_steps(model, processor, prompts, "prefixkv" if keep < 1 else None, keep)
+            for keep in set(keeps)}
+    requests = [{"prompt": prompt(llm.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
+                 "multi_modal_data": {"image": i}, "mm_processor_kwargs": {"vtprune_keep": keep}}
+                for (i, q), keep in zip(prompts, keeps)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
+    outputs = []
+    records, _ = block_ledger(llm, lambda: outputs.extend(llm.generate(requests, params, use_tqdm=False)))
+    for index, (output, keep) in enumerate(zip(outputs, keeps)):
+        got = [(list(output.outputs[0].token_ids),
+                [{t: p.logprob for t, p in top.items()} for top in output.outputs[0].logprobs])]
+        assert step_gap(got, [want[keep][index]]) < TOLERANCE, keep
+    reported = {request_id for request_id, *_, evicted in records if evicted is not None}
+    assert len(reported) == 3  # the three pruned requests; the keep-1.0 one is never reported
+
+
 def test_prefix_caching_is_turned_off(case):
     llm = case[0]
     assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
@@ -172,7 +197,7 @@ def preempted_run(prompts, steps: int, **options):
         preempted.append((request.request_id, request.num_output_tokens))
         return original(self, request, *args, **kwargs)
 
-    llm = start(model_folder("embedded:llava"), "llava", "prefixkv", max_model_len=64, **options)
+    llm = start(model_folder("embedded:llava"), "llava", "prefixkv", max_model_len=96, **options)
     Scheduler._preempt_request = preempt
     try:
         return engine_steps(llm, prompts, steps=steps), preempted
@@ -185,22 +210,24 @@ def test_preempted_requests_are_recomputed_exactly(prompts):
     from vtprune.vllm.export import model_folder
 
     model, processor = reference.load_folder(model_folder("embedded:llava"))
-    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
-    got, preempted = preempted_run(prompts, 16, num_gpu_blocks_override=3, max_num_batched_tokens=4, max_num_seqs=4)
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=STEPS_LONG)
+    # the null block and three blocks of 32 per layer (each of the 4 layers is a KV cache group of its own)
+    got, preempted = preempted_run(prompts, STEPS_LONG, num_gpu_blocks_override=1 + 3 * 4, max_num_batched_tokens=4,
+                                   max_num_seqs=4)
     assert preempted, "the KV cache was large enough: nothing was preempted"
     assert step_gap(got, want) < TOLERANCE
 
 
 def test_a_request_preempted_while_decoding_is_recomputed_exactly(prompts):
-    """Two 26-token prompts, prefilled together, fill both free blocks of 32 and decode in step; at their 7th token
-    both need a second block: one is preempted after 6 decoded tokens, and its recompute (the prompt, then the
-    generated rows in a step of their own) must give the same tokens and log-probabilities as the transformers
-    path, which never preempts."""
+    """Prompts prefilled together fill the pool (three blocks of 32 per layer), each layer frees the blocks past its
+    kept entries, and decoding fills them again: a request is preempted after 18-19 decoded tokens, and its recompute
+    (the prompt, then the generated rows in a step of their own, each layer allocated whole then freed again) must
+    give the same tokens and log-probabilities as the transformers path, which never preempts."""
     from vtprune.vllm.export import model_folder
 
     model, processor = reference.load_folder(model_folder("embedded:llava"))
-    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=16)
-    got, preempted = preempted_run(prompts, 16, num_gpu_blocks_override=3, max_num_batched_tokens=64,
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25, steps=STEPS_LONG)
+    got, preempted = preempted_run(prompts, STEPS_LONG, num_gpu_blocks_override=1 + 3 * 4, max_num_batched_tokens=64,
                                    max_num_seqs=2)
     assert max((decoded for _, decoded in preempted), default=0) >= 5, preempted
     assert step_gap(got, want) < TOLERANCE

@@ -115,15 +115,18 @@ def test_layer_wise_pruning_keeps_the_same_tokens_on_both_ranks(engine, items):
 def test_prefixkv_keeps_the_same_entries_on_both_ranks(items):
     """PrefixKV: each rank holds half the KV heads and rewrites its own half of each layer's kept entries; the
     priorities gather every head, so both ranks keep the transformers path's entries in every layer and decode its
-    six steps."""
+    six steps. Rank 0 reports each layer's counts to the scheduler (its output crosses a process boundary here);
+    blocks are freed where a layer's kept entries end a block earlier (tests/vllm/test_prefixkv.py counts them)."""
     model, processor = reference.load("qwen2_vl")
     chosen = items[:ITEMS]
     want = reference_steps(model, processor, chosen, "prefixkv", 0.25)
-    llm = two_ranks(method="prefixkv", max_num_seqs=2)
+    llm = two_ranks(method="prefixkv", max_num_seqs=2, block_size=32)
     try:
         rank_selections(llm)
         assert step_gap(engine_steps(llm, chosen), want) < TOLERANCE
         first, second = rank_selections(llm)
         assert first == second and len(first) == len(chosen)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.vtprune_reported == len(chosen) and not scheduler.vtprune_evicted  # every request forgotten
     finally:
         shutdown(llm)

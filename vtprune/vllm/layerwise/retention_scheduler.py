@@ -46,8 +46,8 @@ class RetentionScheduler(Scheduler):
         self.vtprune_layers = [m for m in managers if isinstance(m, kv.RetainedManager)]
         for manager in self.vtprune_layers:
             manager.evicted = self.vtprune_evicted
-        #: blocks returned to the pool so far (read by tests and the serving benchmark)
-        self.vtprune_released = 0
+        #: blocks returned to the pool and prefills reported so far (read by tests and the serving benchmark)
+        self.vtprune_released, self.vtprune_reported = 0, 0
 
     def _reserve_prefill_lookahead(self, request: Any, num_computed_tokens: int, num_new_tokens: int) -> int:
         count = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
@@ -69,5 +69,6 @@ class RetentionScheduler(Scheduler):
                 raise RuntimeError(f"vtprune: prefixkv reported {len(evicted)} layers' counts for "
                                    f"{len(self.vtprune_layers)} KV cache groups (untested vLLM version?).")
             self.vtprune_evicted[request_id] = tuple(int(n) for n in evicted)
+            self.vtprune_reported += 1
             for manager in self.vtprune_layers:
                 self.vtprune_released += manager.release(request_id, request.num_computed_tokens)
