@@ -42,12 +42,14 @@ def break_layerwise(model, part: str | None) -> str | None:
     """Test control of the layer-wise hooks: ``"compaction"`` keeps each stage's lowest-scored visual tokens,
     ``"decode_shift"`` writes and reads a pruned request's decode KV as if nothing had been pruned; ``None``
     restores both. The change is to the modules' functions, in this worker process."""
-    from vtprune.vllm.layerwise import layout, runtime
+    from vtprune.vllm.layerwise import decode, layout, runtime
 
     saved = runtime.__dict__.setdefault("_vtprune_test_saved", {"select": runtime.select,
-                                                                "seq_len": layout.StepRequest.seq_len})
+                                                                "seq_len": layout.StepRequest.seq_len,
+                                                                "shifted": decode.shifted_metadata})
     runtime.select = saved["select"]
     layout.StepRequest.seq_len = saved["seq_len"]
+    decode.shifted_metadata = saved["shifted"]
     if part == "compaction":
         runtime.select = lambda scores, view, kept: saved["select"](-scores, view, kept)
     elif part == "decode_shift":
@@ -56,7 +58,8 @@ def break_layerwise(model, part: str | None) -> str | None:
                 return self.computed + self.scheduled
             return saved["seq_len"](self, region)
 
-        layout.StepRequest.seq_len = unshifted
+        layout.StepRequest.seq_len = unshifted  # decode rows inside a compacting step (the hooks' metadata)
+        decode.shifted_metadata = lambda common, offsets, *args: saved["shifted"](common, None, *args)  # the builders'
     return part
 
 

@@ -43,8 +43,9 @@ from vtprune.layout import select_kept
 from vtprune.plan import KVPlan
 from vtprune.vllm import ranks
 from vtprune.vllm.layerwise import scoring
-from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, region_layout, slot_mapping
-from vtprune.vllm.layerwise.metadata import ForwardContextSwap, layer_group, step_batch
+from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, slot_mapping
+from vtprune.vllm.layerwise.decode import BuilderShift
+from vtprune.vllm.layerwise.metadata import layer_group
 from vtprune.vllm.layerwise.requests import request_keep, visual_positions
 
 #: the attribute of a step's ``ModelRunnerOutput`` that carries ``{request id: entries each layer evicted}``
@@ -102,32 +103,16 @@ class RetentionRuntime:
         self.records: dict[str, RetentionRecord | None] = {}
         self.steps: list[tuple[StepRequest, RetentionRecord | None]] | None = None
         self.prefilling: list[tuple[StepRequest, RetentionRecord]] = []
-        self.decoding = False
-        self.swap = ForwardContextSwap()
         self.handles = []
-        for index, layer in enumerate(self.layers.decoder_layers):
-            self.handles.append(layer.register_forward_pre_hook(partial(self._before_layer, index), with_kwargs=True))
-            self.handles.append(self.attention[index].register_forward_pre_hook(partial(self._attend, index),
-                                                                                with_kwargs=True))
+        for index, attention in enumerate(self.attention):
+            self.handles.append(attention.register_forward_pre_hook(partial(self._attend, index), with_kwargs=True))
         self.handles.append(self.lm.norm.register_forward_hook(self._end))
+        #: decode steps: each layer's group builds its own shifted metadata (no hook runs)
+        self.shift = BuilderShift(runner, self._offsets, first_build=self._begin)
         #: request id -> entries each layer evicted, for this step's output (:meth:`_report`)
         self.reports: dict[str, tuple[int, ...]] = {}
-        self._wrap_outputs(runner)
-
-    def _wrap_outputs(self, runner: Any) -> None:
-        """Attach :attr:`reports` to the runner's next ``ModelRunnerOutput`` (instance attributes over
-        ``execute_model`` and ``sample_tokens``; :meth:`remove` deletes them)."""
-        self.wrapped = []
-        for name in ("execute_model", "sample_tokens"):
-            stock = getattr(runner, name, None)
-            if stock is None:
-                continue
-
-            def call(*args: Any, _stock: Any = stock, **kwargs: Any) -> Any:
-                return self._report(_stock(*args, **kwargs))
-
-            setattr(runner, name, call)
-            self.wrapped.append(name)
+        stock = runner.sample_tokens
+        runner.sample_tokens = lambda *args, **kwargs: self._report(stock(*args, **kwargs))
 
     def _report(self, output: Any) -> Any:
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -141,21 +126,22 @@ class RetentionRuntime:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.shift.remove()
         runner = self.runner()
-        for name in self.wrapped if runner is not None else ():
-            runner.__dict__.pop(name, None)
-        self.wrapped = []
+        if runner is not None:
+            runner.__dict__.pop("sample_tokens", None)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        self.steps, self.prefilling, self.decoding = None, [], False
+        """Read the step's requests (before its first metadata build: the runner has prepared its inputs)."""
+        self.steps, self.prefilling = None, []
         self.reports = {}  # the last step's went out with its output (rank 0) or nowhere (other ranks)
         runner = self.runner()
-        step = step_batch(runner)
-        if step is None:
+        batch = runner.input_batch if runner is not None else None
+        count = batch.num_reqs if batch is not None else 0
+        if count == 0:
             return
-        batch, starts = step
-        count = batch.num_reqs
+        starts = runner.query_start_loc.cpu[:count + 1].tolist()
         for gone in [rid for rid in self.records if rid not in runner.requests]:
             del self.records[gone]
         steps = []
@@ -171,8 +157,8 @@ class RetentionRuntime:
             if step.computed + step.scheduled > step.prompt:
                 raise RuntimeError("vtprune: prefixkv got a step that runs a prompt and generated tokens together (a "
                                    "recompute); its scheduler (retention_scheduler.RetentionScheduler) must be in place.")
-        self.decoding = any(r is not None and r.evicted is not None for _, r in steps)
-        self.steps = steps if self.prefilling or self.decoding else None
+        decoding = any(r is not None and r.evicted is not None for _, r in steps)
+        self.steps = steps if self.prefilling or decoding else None
 
     def _record(self, request_id: str, state: Any) -> RetentionRecord | None:
         if request_id not in self.records:
@@ -181,16 +167,13 @@ class RetentionRuntime:
             self.records[request_id] = RetentionRecord(visual, keep) if visual.numel() and keep < 1.0 else None
         return self.records[request_id]
 
-    def _before_layer(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
-        if index == 0:
-            self._begin()
-        if self.steps is None or not self.decoding:
-            return
-        steps = [StepRequest(s.index, s.start, s.scheduled, s.computed, s.prompt,
-                             (0, r.evicted[index] if r is not None and r.evicted is not None else 0))
-                 for s, r in self.steps]
-        self.swap.install_layer(self.runner(), self.attention[index].layer_name, region_layout(steps, 1),
-                                args[1].device)
+    def _offsets(self, gid: int) -> list[int] | None:
+        """Per request of the step (batch order), the entries layer ``gid``'s group lacks for its decode rows."""
+        if self.steps is None:
+            return None
+        layer = self.runner().kv_cache_config.kv_cache_groups[gid].kv_cache_spec.layer
+        return [record.evicted[layer] if record is not None and record.evicted is not None
+                and step.computed >= step.prompt else 0 for step, record in self.steps]
 
     def _attend(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
         """Priority and entries of the prefilling requests' rows at decoder layer ``index``."""
@@ -236,7 +219,6 @@ class RetentionRuntime:
         for step, record in self.prefilling:
             if step.computed + step.scheduled >= step.prompt:
                 self._retain(step, record)
-        self.swap.restore()
         self.steps, self.prefilling = None, []
 
     # -- after a prefill ----------------------------------------------------------------------------------------

@@ -11,6 +11,9 @@ vLLM seam: the decoder layers' ``forward(positions, hidden_states, residual)`` a
 * the final norm's hook puts each request's rows back at its scheduled positions (a pruned visual position's row is
   zero: the runner reads the last row of a request, and prompt log-probabilities of kept tokens stay exact).
 
+A step of decode rows only (with or without unpruned requests) runs no hook: the pruned regions' groups built their
+own shifted metadata before the forward (:mod:`vtprune.vllm.layerwise.decode`).
+
 Scores are the method's own (``scorer.score`` on a :class:`vtprune.scoring.ScoreContext`), captures the method's own
 :class:`vtprune.methods.base.Capture` functions, called per request on its rows in vtprune's ``[1, L, ...]`` layout.
 """
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from vtprune.vllm import ranks
+from vtprune.vllm.layerwise.decode import BuilderShift
 from vtprune.vllm.layerwise.layout import StepRequest, region_layout
 from vtprune.vllm.layerwise.metadata import ForwardContextSwap, step_batch
 from vtprune.vllm.layerwise.plan import LayerPlan
@@ -52,6 +56,8 @@ class LayerwiseRuntime:
         self.positions: torch.Tensor | None = None  # the current layout's positions (after the first stage)
         self.total = 0
         self.swap = ForwardContextSwap()
+        #: decode steps: each pruned region's groups build their own shifted metadata (no hook runs)
+        self.shift = BuilderShift(runner, self._offsets)
         self.stage_at = {stage.layer: index for index, stage in enumerate(plan.stages)}
         self.score_at = {layer: index for index, layer in enumerate(plan.score_layers) if layer != plan.layers[index]}
         self.merge_layer = plan.first_layer
@@ -96,6 +102,7 @@ class LayerwiseRuntime:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.shift.remove()
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self, total: int) -> None:
@@ -123,9 +130,22 @@ class LayerwiseRuntime:
                                int(batch.num_prompt_tokens[index]), pruned)
             entries.append(StepEntry(step, record, step.start, step.scheduled,
                                      chunk=Chunk() if step.kind == "defer" else None))
-        if all(entry.kind == "plain" for entry in entries):
-            return
+        if all(entry.kind in ("plain", "decode") for entry in entries):
+            return  # the regions' builders shifted the decode rows (BuilderShift)
         self.entries = entries
+
+    def _offsets(self, gid: int) -> list[int] | None:
+        """Per request of the step being built (batch order), the tokens region ``gid``'s group lacks for its decode
+        rows (its pruned count; 0 for prompts and unpruned requests)."""
+        runner = self.runner()
+        region = runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec.region
+        batch = runner.input_batch
+        out = []
+        for index, request_id in enumerate(batch.req_ids[:batch.num_reqs]):
+            record = self.records.get(request_id)
+            decoding = int(batch.num_computed_tokens_cpu[index]) >= int(batch.num_prompt_tokens[index])
+            out.append(record.pruned[region] if record is not None and decoding else 0)
+        return out
 
     def _record(self, request_id: str, state: Any) -> RequestRecord | None:
         if request_id not in self.records:
