@@ -4,8 +4,10 @@ rounded up to whole blocks.
 Unpruned and pre-LLM methods: every layer holds the prompt (the kept placeholders for a pre-LLM method) and the
 output. A layer-wise method: a layer in region ``s`` holds ``tokens - pruned[s]``
 (:meth:`vtprune.vllm.layerwise.plan.LayerPlan.pruned_counts`, the counts the plugin's KV managers allocate by).
-KV retention (``prefixkv``): every layer is allocated every token (vLLM allocates before the per-layer counts are
-known) and a decode step reads the kept entries: ``keep`` of the visual tokens on average over the layers.
+KV retention (``prefixkv``): each layer is a KV cache group of its own; the prefill is allocated whole (the counts are
+known when it ends), then every layer frees the blocks past its kept entries. The formula counts the layers alike:
+each holds the text, ``keep`` of the visual tokens (their mean over the layers) and the output; the engine's own
+per-layer counts differ (``kv_blocks_engine``), and the prefill's transient peak is the whole prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from vtprune.vllm.settings import is_layer_wise, is_retention
 def layer_tokens(method: str, keep: float, num_layers: int, visual: int, tokens: int) -> list[int]:
     """Tokens each decoder layer holds for a request of ``tokens`` prompt + output tokens with ``visual`` visual
     tokens in its prompt (``method`` ``"none"`` or a pre-LLM method: the prompt as it entered the model)."""
-    if method == "none" or not is_layer_wise(method) or is_retention(method):
+    if is_retention(method):
+        return [tokens - (visual - keep_count(keep, visual))] * num_layers
+    if method == "none" or not is_layer_wise(method):
         return [tokens] * num_layers
     from vtprune.vllm.layerwise.plan import make_layer_plan
 
@@ -39,8 +43,6 @@ def kv_fields(method: str, keep: float, text_config: dict, visual: int, tokens: 
     per_token_layer = 2 * int(text_config["num_key_value_heads"]) * head_dim * bytes_per_value
     held = layer_tokens(method, keep, layers, visual, round(tokens))
     read = sum(held) / layers
-    if is_retention(method):  # decode steps read the kept entries only
-        read -= visual - keep_count(keep, visual)
     blocks = [math.ceil(count / block_size) for count in held]
     mib = sum(blocks) * block_size * per_token_layer / 2**20
     return {"kv_tokens_per_req": round(sum(held) / layers, 1), "kv_read_tokens_per_req": round(read, 1),

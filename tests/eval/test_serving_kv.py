@@ -12,7 +12,7 @@ CONFIG = {"num_hidden_layers": 4, "num_key_value_heads": 1, "head_dim": 8, "hidd
 @pytest.mark.parametrize("method, tokens, read, blocks", [
     ("none", 100, 100, 7),  # ceil(100 / 16) = 7 blocks in every layer
     ("fastv", (100 + 100 + 52 + 52) / 4, (100 + 100 + 52 + 52) / 4, (7 + 7 + 4 + 4) / 4),  # layers 2, 3 keep 16 of 64
-    ("prefixkv", 100, 100 - 48, 7),  # allocated whole; decode reads 16 of the 64 visual entries on average
+    ("prefixkv", 52, 52, 4),  # after the prefill every layer holds 16 of the 64 visual entries on average: 4 blocks
 ])
 def test_kv_per_request_by_hand(method, tokens, read, blocks):
     row = kv_fields(method, 0.25, CONFIG, visual=64, tokens=100, block_size=16, budget_gib=1.0)

@@ -5,7 +5,8 @@ vLLM seams: the builders of the runner's attention groups (``runner.attn_groups[
 whose ``build(common_prefix_len, common_attn_metadata, ...)`` every metadata build goes through, CUDA-graph capture
 included), wrapped per builder instance; the runner's per-group slot mapping (``common_attn_metadata.slot_mapping``,
 the tensor the forward context hands that group's layers), written in place; the runner's ``execute_model``, wrapped
-per instance to mark the builds of a real step (profiling and capture runs build with nothing shifted).
+per instance to mark the builds of a real step (profiling and capture runs build with nothing shifted); builds inside
+the forward (a compacting step's hooks, :mod:`vtprune.vllm.layerwise.metadata`) pass through unchanged.
 
 A request that decodes in a group whose layers hold ``offset`` fewer entries than its tokens (a layer-wise method's
 pruned region, or a PrefixKV layer after its prefill) sees sequence length ``tokens - offset`` there, and its new rows
@@ -112,6 +113,10 @@ class BuilderShift:
 
     def _build(self, gid: int, stock: Callable[..., Any]) -> Callable[..., Any]:
         def build(common_prefix_len: int, common_attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+            from vllm.forward_context import is_forward_context_available
+
+            if is_forward_context_available():  # a hook's own build inside the forward: already shifted
+                return stock(common_prefix_len, common_attn_metadata, *args, **kwargs)
             if self.live and not self.began:
                 self.began = True
                 if self.first_build is not None:
