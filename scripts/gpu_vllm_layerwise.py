@@ -4,10 +4,13 @@ For each backend (GPU: FLASH_ATTN, FLASHINFER where importable; CPU: CPU_ATTN) a
 prefixkv: each layer's kept entries) on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
 time) answers four prompts at keep 0.25 for 6 steps; the kept tokens, the token ids and the largest log-probability
 gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise.json`` and ``OUT/layerwise.md``.
-A backend that refuses the model (e.g. its head size) is recorded and skipped. Run by ``scripts/gpu_check.sh`` on
-a GPU; ``--device cpu`` runs the CPU backend (a check of the script itself).
+A backend that refuses the model (e.g. its head size) is recorded and skipped. Each engine runs twice (``--modes``):
+``eager`` (``enforce_eager=True``) and ``graphs`` (vLLM's defaults, as the plugin adjusts them: PrefixKV compiled,
+the compacting methods uncompiled, CUDA graphs for uniform decode steps), with the compilation and CUDA-graph modes
+the engine ran and the seconds its ``generate`` call took. Run by ``scripts/gpu_check.sh`` on a GPU; ``--device cpu``
+runs the CPU backend (a check of the script itself).
 
-usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--backends A,B] [--methods M,N]
+usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--backends A,B] [--methods M,N] [--modes ...]
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -61,12 +65,13 @@ def reference(folder: str, method: str, dtype, device: str, items: list) -> list
     return out
 
 
-def engine_run(folder: str, method: str, dtype: str, backend: str, items: list) -> tuple[list, list]:
+def engine_run(folder: str, method: str, dtype: str, backend: str, items: list,
+               eager: bool) -> tuple[list, list, dict]:
     from vllm import LLM, SamplingParams
 
     from vtprune.vllm.common import clear_selections, recent_selections
 
-    llm = LLM(folder, dtype=dtype, max_model_len=512, seed=0, enforce_eager=True, enable_prefix_caching=True,
+    llm = LLM(folder, dtype=dtype, max_model_len=512, seed=0, enforce_eager=eager, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=2, attention_backend=backend,
               limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3,
               hf_overrides={"architectures": ["VtpruneLlavaForConditionalGeneration"],
@@ -76,21 +81,26 @@ def engine_run(folder: str, method: str, dtype: str, backend: str, items: list) 
         requests = [{"prompt": chat(llm.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
                      "multi_modal_data": {"image": i}} for i, q in items]
         params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
+        started = time.perf_counter()
         outputs = llm.generate(requests, params, use_tqdm=False)
+        compilation = llm.llm_engine.vllm_config.compilation_config
+        ran = {"seconds": round(time.perf_counter() - started, 3),
+               "compile": getattr(compilation.mode, "name", str(compilation.mode)),
+               "cudagraphs": getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))}
         kept = llm.apply_model(recent_selections)[0]
         rows = [(list(o.outputs[0].token_ids), [{t: p.logprob for t, p in top.items()} for top in o.outputs[0].logprobs])
                 for o in outputs]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return rows, kept
+    return rows, kept, ran
 
 
-def compare(rows: list, kept: list, want: list) -> dict:
+def compare(rows: list, kept: list, ran: dict, want: list) -> dict:
     ids_equal = sum(ids == w[0] for (ids, _), w in zip(rows, want))
     gap = max((abs(v - float(w[2][step][t])) for (ids, tops), w in zip(rows, want) if ids == w[0]
                for step, top in enumerate(tops) for t, v in top.items()), default=float("nan"))
     return {"requests": len(rows), "ids_equal": ids_equal, "max_logprob_gap": round(gap, 5),
-            "kept_equal": sorted(map(str, kept)) == sorted(str(w[1]) for w in want)}
+            "kept_equal": sorted(map(str, kept)) == sorted(str(w[1]) for w in want), **ran}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--backends", default=None, help="default: FLASH_ATTN,FLASHINFER on cuda, CPU_ATTN on cpu")
     parser.add_argument("--methods", default="fastv,pdrop,dart,prefixkv")
+    parser.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs (vLLM's defaults)")
     args = parser.parse_args(argv)
     import torch
 
@@ -112,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for method in args.methods.split(","):
         want = reference(folder, method, getattr(torch, dtype), args.device, items)
-        for backend in backends:
-            row = {"method": method, "backend": backend, "dtype": dtype}
+        for backend, mode in [(b, m) for b in backends for m in args.modes.split(",")]:
+            row = {"method": method, "backend": backend, "mode": mode, "dtype": dtype}
             try:
-                row.update(compare(*engine_run(folder, method, dtype, backend, items), want))
+                row.update(compare(*engine_run(folder, method, dtype, backend, items, mode == "eager"), want))
             except Exception as error:  # noqa: BLE001 - a backend that refuses is recorded, the others still run
                 row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
                 traceback.print_exc()
@@ -124,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "layerwise.json").write_text(json.dumps(results, indent=2) + "\n")
-    fields = ["method", "backend", "dtype", "requests", "ids_equal", "kept_equal", "max_logprob_gap", "error"]
+    fields = ["method", "backend", "mode", "dtype", "requests", "ids_equal", "kept_equal", "max_logprob_gap", "compile",
+              "cudagraphs", "seconds", "error"]
     lines = ["| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
     lines += ["| " + " | ".join(str(r.get(f, "")) for f in fields) + " |" for r in results]
     (out / "layerwise.md").write_text("# Layer-wise methods in vLLM on this device's attention backends\n\n"

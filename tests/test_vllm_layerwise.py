@@ -3,6 +3,7 @@ chunk merging and the start-up checks; the request keys the front end and the se
 
 from __future__ import annotations
 
+import enum
 from types import SimpleNamespace
 from typing import TypedDict
 
@@ -148,7 +149,7 @@ def engine_config(**changes):
     hf = SimpleNamespace(vtprune={"method": "fastv", "keep": 0.25}, model_type="llava", vision_config=None)
     config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=hf, hf_text_config=SimpleNamespace(num_hidden_layers=4),
-                                     enforce_eager=False),
+                                     enforce_eager=True),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1,
                                         prefill_context_parallel_size=1, enable_dbo=False),
         scheduler_config=SimpleNamespace(async_scheduling=None, scheduler_cls=None,
@@ -160,7 +161,7 @@ def engine_config(**changes):
     return config
 
 
-def test_start_up_sets_the_scheduler_and_eager_execution():
+def test_start_up_sets_the_scheduler():
     config = engine_config()
     lw_config.LayerwiseConfig.verify_and_update_config(config)
     assert config.scheduler_config.scheduler_cls == lw_config.SCHEDULER
@@ -170,6 +171,36 @@ def test_start_up_sets_the_scheduler_and_eager_execution():
     pre_llm.model_config.hf_config.vtprune = {"method": "divprune", "keep": 0.25}
     lw_config.LayerwiseConfig.verify_and_update_config(pre_llm)
     assert pre_llm.scheduler_config.scheduler_cls is None  # pre-LLM methods keep vLLM's own scheduler
+
+
+class Compile(enum.IntEnum):
+    NONE = 0
+    VLLM_COMPILE = 3
+
+
+class Graphs(enum.Enum):
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return "piecewise" in self.value
+
+
+@pytest.mark.parametrize("compiled, static, mode, graphs, want_mode, want_graphs", [
+    (False, True, None, None, Compile.NONE, Graphs.FULL_DECODE_ONLY),  # a GPU at vLLM's defaults
+    (False, True, Compile.VLLM_COMPILE, Graphs.FULL_AND_PIECEWISE, Compile.NONE, Graphs.FULL_DECODE_ONLY),
+    (True, True, Compile.VLLM_COMPILE, Graphs.PIECEWISE, Compile.VLLM_COMPILE, Graphs.FULL_DECODE_ONLY),  # PrefixKV
+    (True, True, None, Graphs.NONE, None, Graphs.NONE),  # graphs turned off by the user stay off
+    (False, False, None, None, Compile.NONE, None),  # a CPU: no CUDA graphs to keep
+    (True, False, Compile.VLLM_COMPILE, None, Compile.VLLM_COMPILE, None),
+])
+def test_graph_settings(compiled, static, mode, graphs, want_mode, want_graphs):
+    config = engine_config(**{"model_config.enforce_eager": False})
+    config.compilation_config = SimpleNamespace(mode=mode, cudagraph_mode=graphs)
+    lw_config.graph_settings(config, "fastv", compiled, modes=(Compile, Graphs), static_graphs=static)
+    assert config.compilation_config.mode == want_mode and config.compilation_config.cudagraph_mode == want_graphs
 
 
 @pytest.mark.parametrize("change, match", [

@@ -8,7 +8,8 @@
 * Preemption: with a KV cache too small for the batch, preempted requests are recomputed and still equal the
   transformers path; chunks of 4 tokens end inside the images.
 * A Qwen2-VL video: FastV keeps the transformers path's tokens over the whole video.
-* Settings the methods cannot serve are refused when the engine starts.
+* Settings the methods cannot serve are refused when the engine starts; vLLM's default modes (``enforce_eager``
+  off) leave the compacting methods uncompiled and equal to the transformers path.
 """
 
 from __future__ import annotations
@@ -168,5 +169,21 @@ def test_a_video_equals_the_transformers_path(clip):
         selections(llm)
         assert generate_video(llm, frames, question) == want_ids
         assert selections(llm) == [want_kept]
+    finally:
+        shutdown(llm)
+
+
+def test_vllms_default_modes_run_the_compacting_methods_uncompiled(llava, prompts):
+    """``enforce_eager`` left off: the plugin turns torch.compile off for FastV (its compaction changes the row count
+    between layers) and keeps the rest of vLLM's settings; the engine equals the transformers path."""
+    from vllm.config.compilation import CompilationMode
+
+    model, processor = llava[1]
+    want = reference_steps(model, processor, prompts, "fastv", 0.25)
+    llm = start(llava[0], "llava", "fastv", enforce_eager=False)
+    try:
+        assert llm.llm_engine.vllm_config.model_config.enforce_eager is False
+        assert llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.NONE
+        assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
     finally:
         shutdown(llm)

@@ -117,7 +117,7 @@ def test_each_layer_frees_the_blocks_past_its_kept_entries(case, prompts):
     records, scheduler = block_ledger(llm, lambda: engine_steps(llm, prompts))
     groups = scheduler.kv_cache_config.kv_cache_groups
     assert len(groups) == depth and all(len(g.layer_names) == 1 for g in groups)
-    for request_id, layer, blocks, computed, visual, evicted in records:
+    for request_id, layer, blocks, computed, _, evicted in records:
         assert blocks == -(-(computed - (evicted or 0)) // 32), (request_id, layer, blocks, computed, evicted)
     kept = collections.defaultdict(dict)
     for request_id, layer, _, _, visual, evicted in records:

@@ -190,10 +190,9 @@ class PrunedModelMixin:
         from vtprune.vllm.settings import is_retention
 
         if is_retention(self.vtprune.method):  # PrefixKV: every layer keeps its own KV entries
+            from vtprune.vllm.layerwise import kv
             from vtprune.vllm.layerwise.config import served_retention
             from vtprune.vllm.layerwise.retention import RetentionRuntime
-
-            from vtprune.vllm.layerwise import kv
 
             scorer = served_retention(vllm_config.model_config)
             runtime = RetentionRuntime(self, scorer, self.vtprune.keep, runner, self.vtprune_selections)

@@ -125,25 +125,30 @@ class LayerwiseConfig:
         return None
 
 
-def graph_settings(vllm_config: Any, method: str, compiled: bool) -> None:
+def graph_settings(vllm_config: Any, method: str, compiled: bool, modes: tuple | None = None,
+                   static_graphs: bool | None = None) -> None:
     """torch.compile and CUDA graphs for a layer-wise method (``compiled``: PrefixKV, whose hooks only call vtprune's
     ops, :mod:`vtprune.vllm.layerwise.ops`, and keeps vLLM's compile mode). The other methods compact prompt rows
     between layers, which a compiled graph cannot follow: their language model runs uncompiled. Decode steps need
     no hook (each group's metadata builder shifts them, :mod:`vtprune.vllm.layerwise.decode`), so where the platform
     has CUDA graphs they keep full graphs for uniform decode batches (``FULL_DECODE_ONLY``); steps with a prompt run
-    without graphs. One warning line for each setting changed."""
-    from vllm.config.compilation import CompilationMode, CUDAGraphMode
-    from vllm.platforms import current_platform
-
+    without graphs. One warning line for each setting changed. ``modes`` (vLLM's ``CompilationMode`` and
+    ``CUDAGraphMode``) and ``static_graphs`` (whether the platform has CUDA graphs) default to vLLM's own."""
     if vllm_config.model_config.enforce_eager:
         return
+    if modes is None:
+        from vllm.config.compilation import CompilationMode, CUDAGraphMode
+        from vllm.platforms import current_platform
+
+        modes, static_graphs = (CompilationMode, CUDAGraphMode), current_platform.support_static_graph_mode()
+    CompilationMode, CUDAGraphMode = modes  # noqa: N806 - vLLM's enum names
     compilation = vllm_config.compilation_config
     if not compiled and compilation.mode != CompilationMode.NONE:
         logger.warning("vtprune: %s compacts prompt rows between decoder layers, which torch.compile graphs cannot "
                        "follow: its language model runs uncompiled (compilation mode NONE).", method)
         compilation.mode = CompilationMode.NONE
     mode = compilation.cudagraph_mode
-    if current_platform.support_static_graph_mode() and mode != CUDAGraphMode.NONE and (
+    if static_graphs and mode != CUDAGraphMode.NONE and (
             mode is None or mode.has_piecewise_cudagraphs()):
         logger.warning("vtprune: %s keeps CUDA graphs for uniform decode steps only (cudagraph_mode "
                        "FULL_DECODE_ONLY): steps with a prompt run Python between layers, which piecewise graphs "

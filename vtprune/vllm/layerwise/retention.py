@@ -43,8 +43,8 @@ from vtprune.layout import select_kept
 from vtprune.plan import KVPlan
 from vtprune.vllm import ranks
 from vtprune.vllm.layerwise import ops, scoring
-from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, slot_mapping
 from vtprune.vllm.layerwise.decode import BuilderShift
+from vtprune.vllm.layerwise.layout import RegionLayout, StepRequest, slot_mapping
 from vtprune.vllm.layerwise.metadata import layer_group
 from vtprune.vllm.layerwise.requests import request_keep, visual_positions
 
