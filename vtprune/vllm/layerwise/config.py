@@ -81,6 +81,8 @@ def _retention_settings(vllm_config: Any, method: str) -> None:
     """PrefixKV: the settings the layer-wise methods refuse; vtprune's retention scheduler; prefix caching off (each
     layer's entries are rewritten after the prefill, so cached blocks would not hold the prompt's KV)."""
     check_engine(vllm_config, method, own_scheduler=False)
+    if isinstance(getattr(vllm_config, "additional_config", None), dict):  # hashed into vLLM's compile-cache key (hf_overrides is not)
+        vllm_config.additional_config["vtprune"] = "prefixkv: retention ops in the language model"
     custom = vllm_config.scheduler_config.scheduler_cls
     _refuse(custom not in (None, RETENTION_SCHEDULER) and not (isinstance(custom, str) and custom.startswith("vllm.")),
             f"{method} needs vtprune's scheduler (a recompute after a preemption ends a step at its prompt's end); "

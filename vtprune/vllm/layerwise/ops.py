@@ -3,10 +3,12 @@
 vLLM compiles the language model with ``torch.compile``, which traces module hooks into the graph: Python control
 flow inside a hook would be frozen as it ran while tracing. PrefixKV's hooks therefore only call an op each,
 ``vtprune::retention_attend`` (an attention layer's queries, keys and values) and ``vtprune::retention_end`` (after
-the final norm), opaque to the compiler: the op finds its runtime by key and does the work in Python when the graph
-runs. Each op declares that it mutates its first tensor (it does not: an op with neither outputs nor mutations
-would be dropped from the graph). Uniform decode steps find nothing to do, so a CUDA graph that captured them
-replays correctly without them.
+the final norm), opaque to the compiler: the op finds its runtime through the attention layer's name (vLLM's own key: the forward context maps it to this
+engine's ``Attention`` module, which holds the runtime), so a graph loaded from vLLM's compile cache in another
+process calls this process's runtime. Each op declares that it mutates its first tensor (it does not: an op with
+neither outputs nor mutations would be dropped from the graph). Uniform decode steps find nothing to do, so a CUDA
+graph that captured them replays correctly without them. vLLM's compile-cache key ignores ``hf_overrides``, so the
+config hook adds PrefixKV to ``additional_config`` (hashed): a graph traced without these ops is never loaded for it.
 """
 
 from __future__ import annotations
@@ -16,47 +18,52 @@ from typing import Any
 
 import torch
 
-#: key -> the runtime (weakly held) whose hooks call the ops; an entry per live runtime, removed with it
-_RUNTIMES: dict[str, weakref.ref] = {}
+#: the attribute of an attention module that holds its runtime (a weak reference)
+ATTRIBUTE = "_vtprune_retention"
 
 
-def register(runtime: Any) -> str:
-    """A key for ``runtime`` (its hooks pass it to the ops)."""
-    key = f"retention-{id(runtime)}"
-    _RUNTIMES[key] = weakref.ref(runtime)
-    return key
+def register(runtime: Any, attention: Any) -> str:
+    """Make ``attention`` (vLLM's ``Attention``) find ``runtime``; its ``layer_name``, which the hooks pass."""
+    setattr(attention, ATTRIBUTE, weakref.ref(runtime))
+    return attention.layer_name
 
 
-def unregister(key: str) -> None:
-    _RUNTIMES.pop(key, None)
+def unregister(attention: Any) -> None:
+    attention.__dict__.pop(ATTRIBUTE, None)
 
 
-def _runtime(key: str) -> Any:
-    ref = _RUNTIMES.get(key)
+def _runtime(layer_name: str) -> Any:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    module = get_forward_context().no_compile_layers.get(layer_name)
+    ref = getattr(module, ATTRIBUTE, None)
     return ref() if ref is not None else None
 
 
 @torch.library.custom_op("vtprune::retention_attend", mutates_args=("query",))
-def retention_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runtime: str, layer: int) -> None:
+def retention_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str, layer: int) -> None:
     """Layer ``layer``'s priorities and entries of the prompts prefilling now (``RetentionRuntime.attend``)."""
-    target = _runtime(runtime)
+    target = _runtime(layer_name)
     if target is not None:
         target.attend(layer, query, key, value)
 
 
 @retention_attend.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runtime: str, layer: int) -> None:
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_name: str, layer: int) -> None:
     return None
 
 
 @torch.library.custom_op("vtprune::retention_end", mutates_args=("hidden",))
-def retention_end(hidden: torch.Tensor, runtime: str) -> None:
-    """The end of a forward: each prompt whose prefill ended keeps its entries (``RetentionRuntime.end``)."""
-    target = _runtime(runtime)
+def retention_end(hidden: torch.Tensor, layer_name: str) -> None:
+    """The end of a forward: each prompt whose prefill ended keeps its entries (``RetentionRuntime.end``); found
+    through layer 0's ``layer_name``."""
+    target = _runtime(layer_name)
     if target is not None:
         target.end()
 
 
 @retention_end.register_fake
-def _(hidden: torch.Tensor, runtime: str) -> None:
+def _(hidden: torch.Tensor, layer_name: str) -> None:
     return None

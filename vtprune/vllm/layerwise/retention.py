@@ -104,7 +104,8 @@ class RetentionRuntime:
         self.steps: list[tuple[StepRequest, RetentionRecord | None]] | None = None
         self.prefilling: list[tuple[StepRequest, RetentionRecord]] = []
         self.handles = []
-        self.key = ops.register(self)  # the hooks only call vtprune's ops (a compiled graph keeps the calls)
+        # the hooks only call vtprune's ops (a compiled graph keeps the calls), which find this runtime by layer name
+        self.names = [ops.register(self, attention) for attention in self.attention]
         for index, attention in enumerate(self.attention):
             self.handles.append(attention.register_forward_pre_hook(partial(self._attend_hook, index),
                                                                     with_kwargs=True))
@@ -128,7 +129,8 @@ class RetentionRuntime:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        ops.unregister(self.key)
+        for attention in self.attention:
+            ops.unregister(attention)
         self.shift.remove()
         runner = self.runner()
         if runner is not None:
@@ -180,10 +182,10 @@ class RetentionRuntime:
 
     def _attend_hook(self, index: int, module: Any, args: tuple, kwargs: dict) -> None:
         query, key, value = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")[len(args):]])[:3]
-        torch.ops.vtprune.retention_attend(query, key, value, self.key, index)
+        torch.ops.vtprune.retention_attend(query, key, value, self.names[index], index)
 
     def _end_hook(self, module: Any, args: tuple, output: Any) -> None:
-        torch.ops.vtprune.retention_end(output[0] if isinstance(output, tuple) else output, self.key)
+        torch.ops.vtprune.retention_end(output[0] if isinstance(output, tuple) else output, self.names[0])
 
     def attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Priority and entries of the prefilling requests' rows at decoder layer ``index`` (``retention_attend``)."""
