@@ -7,7 +7,8 @@ gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise
 A backend that refuses the model (e.g. its head size) is recorded and skipped. Each engine runs twice (``--modes``):
 ``eager`` (``enforce_eager=True``) and ``graphs`` (vLLM's defaults, as the plugin adjusts them: PrefixKV compiled,
 the compacting methods uncompiled, CUDA graphs for uniform decode steps), with the compilation and CUDA-graph modes
-the engine ran and the seconds its ``generate`` call took. Run by ``scripts/gpu_check.sh`` on a GPU; ``--device cpu``
+the engine ran and the seconds its ``generate`` call took; a ``stock`` row per backend (stock vLLM at its defaults,
+unpruned) gives the time to compare with. Run by ``scripts/gpu_check.sh`` on a GPU; ``--device cpu``
 runs the CPU backend (a check of the script itself).
 
 usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--backends A,B] [--methods M,N] [--modes ...]
@@ -71,11 +72,11 @@ def engine_run(folder: str, method: str, dtype: str, backend: str, items: list,
 
     from vtprune.vllm.common import clear_selections, recent_selections
 
+    overrides = None if method == "stock" else {"architectures": ["VtpruneLlavaForConditionalGeneration"],
+                                                 "vtprune": {"method": method, "keep": 0.25}}
     llm = LLM(folder, dtype=dtype, max_model_len=512, seed=0, enforce_eager=eager, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=2, attention_backend=backend,
-              limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3,
-              hf_overrides={"architectures": ["VtpruneLlavaForConditionalGeneration"],
-                            "vtprune": {"method": method, "keep": 0.25}})
+              limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3, hf_overrides=overrides)
     try:
         llm.apply_model(clear_selections)
         requests = [{"prompt": chat(llm.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
@@ -87,7 +88,7 @@ def engine_run(folder: str, method: str, dtype: str, backend: str, items: list,
         ran = {"seconds": round(time.perf_counter() - started, 3),
                "compile": getattr(compilation.mode, "name", str(compilation.mode)),
                "cudagraphs": getattr(compilation.cudagraph_mode, "name", str(compilation.cudagraph_mode))}
-        kept = llm.apply_model(recent_selections)[0]
+        kept = llm.apply_model(recent_selections)[0] if overrides else []
         rows = [(list(o.outputs[0].token_ids), [{t: p.logprob for t, p in top.items()} for top in o.outputs[0].logprobs])
                 for o in outputs]
     finally:
@@ -121,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = "float16" if args.device == "cuda" else "float32"
     folder, items = model_folder("embedded:llava"), prompts()
     results = []
+    for backend in backends:  # stock vLLM at its defaults: the time the graphs rows compare with
+        row = {"method": "stock", "backend": backend, "mode": "graphs", "dtype": dtype}
+        try:
+            rows, _, ran = engine_run(folder, "stock", dtype, backend, items, False)
+            row.update({"requests": len(rows), **ran})
+        except Exception as error:  # noqa: BLE001 - recorded; the plugin's rows still run
+            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+        print(json.dumps(row), flush=True)
+        results.append(row)
     for method in args.methods.split(","):
         want = reference(folder, method, getattr(torch, dtype), args.device, items)
         for backend, mode in [(b, m) for b in backends for m in args.modes.split(",")]:

@@ -5,9 +5,13 @@ subset (vtprune's per-layer counts and selection), and decode steps read only th
 LLaVA-1.5 and Qwen2-VL and tiny LLaVA-NeXT (tile grids) and Qwen3-VL (DeepStack) checkpoints (4 decoder layers), prompts prefilled in chunks of 8 tokens, two
 sequences at a time (new prefills join running decodes): the greedy tokens and six steps of log-probabilities, and
 every layer's kept visual tokens, equal the transformers path's. Controls: the unpruned model's steps, and an engine
-whose layers keep their lowest-priority entries, both fail the same check. Per-request keep 1.0 equals the unpruned
-model. Preempted requests are recomputed exactly, also after 6 decoded tokens (vtprune's scheduler ends a recompute's
-step at its prompt's end). Prefix caching, asked for, is turned off at start-up.
+whose layers keep their lowest-priority entries, both fail the same check. Per-request keeps 0.25 / 0.5 / 1.0 in one
+batch each equal the transformers path (1.0: the unpruned model). Memory: every layer is a KV cache group of its
+own and holds ``ceil((tokens - evicted) / block)`` blocks once its prefill ended, with the transformers path's
+evicted counts; every block is back in the pool at the end. Preempted requests are recomputed exactly, also after
+18-19 decoded tokens in a pool that freed layers fill again (vtprune's scheduler ends a recompute's step at its
+prompt's end). Compiled (vLLM's default mode, twice: the second engine from vLLM's compile cache) equals the
+transformers path. Prefix caching, asked for, is turned off at start-up.
 """
 
 from __future__ import annotations

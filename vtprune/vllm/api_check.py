@@ -91,6 +91,25 @@ MEMBERS: tuple[Member, ...] = (
     Member("config/cache.py", "CacheConfig", "enable_prefix_caching"),
     Member("config/model.py", "ModelConfig", "enforce_eager"),
     Member("config/model.py", "ModelConfig", "logits_processors"),
+    # PrefixKV's freed blocks (kv.py, retention_scheduler.py, retention.py)
+    Member(_KV, "SingleTypeKVCacheManager", "pop_blocks_for_free", ("self", "request_id")),
+    Member(_KV, "SingleTypeKVCacheManager", "req_to_blocks"),
+    Member(_KV, "SingleTypeKVCacheManager", "block_pool"),
+    Member("v1/core/block_pool.py", "BlockPool", "free_blocks", ("self", "ordered_blocks")),
+    Member("v1/kv_cache_interface.py", "KVCacheSpec", "is_uniform_with_collection", ("self", "kv_cache_specs")),
+    Member("v1/core/sched/scheduler.py", "Scheduler", "update_from_output",
+           ("self", "scheduler_output", "model_runner_output")),
+    Member(_RUNNER, "GPUModelRunner", "sample_tokens", ("self",)),
+    Member(_RUNNER, "GPUModelRunner", "execute_model", ("self", "scheduler_output")),
+    Member(_RUNNER, "GPUModelRunner", "capture_model", ("self",)),
+    Member("v1/worker/gpu_input_batch.py", "CachedRequestState", "block_ids"),
+    *(Member("v1/worker/block_table.py", "BlockTable", name) for name in ("num_blocks_per_row", "block_size")),
+    # hook-free decode and graph settings (decode.py, ops.py, config.py)
+    Member("v1/worker/utils.py", "AttentionGroup", "metadata_builders"),
+    Member("forward_context.py", "ForwardContext", "no_compile_layers"),
+    Member("config/vllm.py", "VllmConfig", "additional_config"),
+    *(Member("config/compilation.py", "CompilationConfig", name) for name in ("mode", "cudagraph_mode")),
+    Member("platforms/interface.py", "Platform", "support_static_graph_mode", ("cls",)),
 )
 
 

@@ -7,9 +7,12 @@ One module per concern, each over one seam of vLLM's private API (checked on the
 * :mod:`~vtprune.vllm.layerwise.requests` (pure): a request's visual tokens and keep from its multimodal features.
 * :mod:`~vtprune.vllm.layerwise.layout` (pure): each request's rows, sequence length and KV positions per region.
 * :mod:`~vtprune.vllm.layerwise.config`: start-up checks and settings (vLLM's per-architecture config hook).
-* :mod:`~vtprune.vllm.layerwise.kv`: the pruned regions' KV specs and manager (vLLM's KV spec registry).
+* :mod:`~vtprune.vllm.layerwise.kv`: the pruned regions' and PrefixKV's layers' KV specs and managers (vLLM's KV
+  spec registry).
 * :mod:`~vtprune.vllm.layerwise.scheduler`: the pruned counts at a request's arrival (vLLM's ``scheduler_cls``).
-* :mod:`~vtprune.vllm.layerwise.metadata`: the regions' attention metadata (the backends' metadata builders).
+* :mod:`~vtprune.vllm.layerwise.metadata`: the regions' attention metadata in a compacting step (the backends' builders).
+* :mod:`~vtprune.vllm.layerwise.decode`: decode steps without hooks (each pruned group's builder shifts them).
+* :mod:`~vtprune.vllm.layerwise.ops`: PrefixKV's hooks as registered ops (kept by a compiled graph).
 * :mod:`~vtprune.vllm.layerwise.scoring`: vtprune's scorers on vLLM's layers (queries, keys, score contexts).
 * :mod:`~vtprune.vllm.layerwise.records` / :mod:`~vtprune.vllm.layerwise.runtime`: the per-request state and the
   hooks on the decoder layers that score, select and compact.
