@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the plugin's layer-wise methods run on
     backends = (args.backends or ("FLASH_ATTN,FLASHINFER" if args.device == "cuda" else "CPU_ATTN")).split(",")
     dtype = "float16" if args.device == "cuda" else "float32"
     folder, items = model_folder("embedded:llava"), prompts()

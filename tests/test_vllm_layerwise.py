@@ -219,6 +219,16 @@ def test_start_up_refusals_are_one_line(change, match):
     assert "\n" not in str(error.value)
 
 
+def test_vllms_v2_model_runner_is_refused_in_one_line():
+    for method in ("fastv", "prefixkv"):
+        config = engine_config()
+        config.model_config.hf_config.vtprune = {"method": method, "keep": 0.25}
+        config.use_v2_model_runner = True
+        with pytest.raises(ValueError, match="V1 model runner.*VLLM_USE_V2_MODEL_RUNNER=0") as error:
+            lw_config.LayerwiseConfig.verify_and_update_config(config)
+        assert "\n" not in str(error.value)
+
+
 def test_speculative_decoding_and_kv_connectors_refused():
     for field in ("speculative_config", "kv_transfer_config"):
         config = engine_config()

@@ -363,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     from vtprune.vllm.export import cache_root, model_folder
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on a CPU (ignored on a GPU)
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner the plugin's layer-wise methods run on
     out = Path(args.out)
     rows: list[dict] = []
     for model in args.models.split(","):

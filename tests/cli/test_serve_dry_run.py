@@ -20,6 +20,7 @@ def python(monkeypatch) -> str:
     path = "/opt/venv vllm/bin/python"
     monkeypatch.setattr(serve, "_dry_run_python", lambda: path)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     return path
 
 
@@ -49,7 +50,7 @@ def test_the_printed_line_parses_back_to_the_servers_argv(cli, python, tmp_path,
     folder = str(_folder(tmp_path))
     code, out, err = cli("serve", folder, "--keep", "0.5", "--dry-run", *extra)
     assert code == 0 and err == "" and out.count("\n") == 1, (out, err)
-    expected = ["VLLM_CPU_KVCACHE_SPACE=1", *_argv(folder, "--keep", "0.5", *extra)]
+    expected = ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_USE_V2_MODEL_RUNNER=0", *_argv(folder, "--keep", "0.5", *extra)]
     assert shlex.split(out) == expected
     assert _shell_words(out.strip()) == expected  # a real shell reads the same words
     overrides = json.loads(expected[expected.index("--hf-overrides") + 1])
@@ -60,18 +61,20 @@ def test_the_printed_line_parses_back_to_the_servers_argv(cli, python, tmp_path,
 def test_an_embedded_model_line_carries_its_defaults(cli, python):
     code, out, _ = cli("serve", "embedded:qwen2_vl", "--keep", "0.5", "--dry-run", "--max-num-seqs", "4")
     words = shlex.split(out)
-    assert code == 0 and words == ["VLLM_CPU_KVCACHE_SPACE=1", *_argv("embedded:qwen2_vl", "--keep", "0.5",
-                                                                       "--max-num-seqs", "4")]
-    assert words[1:4] == [python, "-m", "vllm.entrypoints.openai.api_server"]
+    env = ["VLLM_CPU_KVCACHE_SPACE=1", "VLLM_USE_V2_MODEL_RUNNER=0"]
+    assert code == 0 and words == [*env, *_argv("embedded:qwen2_vl", "--keep", "0.5", "--max-num-seqs", "4")]
+    assert words[2:5] == [python, "-m", "vllm.entrypoints.openai.api_server"]
     assert {"--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "4"} <= set(words)
 
 
 def test_an_environment_variable_the_user_set_is_left_to_the_user(cli, python, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     code, out, _ = cli("serve", "--dry-run")
     words = shlex.split(out)
-    assert code == 0 and words[0] == python and not any(w.startswith("VLLM_CPU_KVCACHE_SPACE") for w in words)
-    assert serve.server_env({"VLLM_CPU_KVCACHE_SPACE": "8"}) == {}  # the real run keeps the user's value too
+    assert code == 0 and words[0] == python and not any(w.startswith("VLLM_") for w in words)
+    user = {"VLLM_CPU_KVCACHE_SPACE": "8", "VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert serve.server_env(user) == {}  # the real run keeps the user's values too (V2 is refused at start-up)
 
 
 def test_a_dry_run_needs_no_free_port_and_no_vllm(cli, monkeypatch):

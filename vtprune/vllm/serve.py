@@ -216,7 +216,9 @@ def command_serve(args: argparse.Namespace) -> int:
 
 def server_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment variables ``vtprune serve`` adds for vLLM (those ``environ`` does not set already)."""
-    defaults = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB of KV cache on a CPU (ignored on a GPU)
+    # GiB of KV cache on a CPU (ignored on a GPU); vLLM's V1 model runner, whose seams the plugin uses (a GPU with
+    # Triton would pick the V2 runner; the layer-wise methods refuse it at start-up)
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     return {name: value for name, value in defaults.items() if name not in environ}
 
 

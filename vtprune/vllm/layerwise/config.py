@@ -111,6 +111,9 @@ class LayerwiseConfig:
         pruning = VllmPruning.from_config(model_config.hf_config)
         if not pruning.layer_wise:
             return
+        _refuse(bool(getattr(vllm_config, "use_v2_model_runner", False)), f"{pruning.method} runs on vLLM's V1 model "
+                "runner (its input batch, block tables and metadata builders); set VLLM_USE_V2_MODEL_RUNNER=0 "
+                "(`vtprune serve` sets it).")
         if is_retention(pruning.method):
             served_retention(model_config)  # refuse a bad option now, in the caller's process
             _retention_settings(vllm_config, pruning.method)
