@@ -104,6 +104,17 @@ def compare(rows: list, kept: list, ran: dict, want: list) -> dict:
             "kept_equal": sorted(map(str, kept)) == sorted(str(w[1]) for w in want), **ran}
 
 
+def write(out: Path, results: list[dict]) -> None:
+    """``OUT/layerwise.json`` and ``OUT/layerwise.md`` of the rows so far."""
+    (out / "layerwise.json").write_text(json.dumps(results, indent=2) + "\n")
+    fields = ["method", "backend", "mode", "dtype", "requests", "ids_equal", "kept_equal", "max_logprob_gap", "compile",
+              "cudagraphs", "seconds", "error"]
+    lines = ["| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
+    lines += ["| " + " | ".join(str(r.get(f, "")) for f in fields) + " |" for r in results]
+    (out / "layerwise.md").write_text("# Layer-wise methods in vLLM on this device's attention backends\n\n"
+                                      + "\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -122,36 +133,31 @@ def main(argv: list[str] | None = None) -> int:
     backends = (args.backends or ("FLASH_ATTN,FLASHINFER" if args.device == "cuda" else "CPU_ATTN")).split(",")
     dtype = "float16" if args.device == "cuda" else "float32"
     folder, items = model_folder("embedded:llava"), prompts()
-    results = []
-    for backend in backends:  # stock vLLM at its defaults: the time the graphs rows compare with
-        row = {"method": "stock", "backend": backend, "mode": "graphs", "dtype": dtype}
-        try:
-            rows, _, ran = engine_run(folder, "stock", dtype, backend, items, False)
-            row.update({"requests": len(rows), **ran})
-        except Exception as error:  # noqa: BLE001 - recorded; the plugin's rows still run
-            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-        print(json.dumps(row), flush=True)
-        results.append(row)
-    for method in args.methods.split(","):
-        want = reference(folder, method, getattr(torch, dtype), args.device, items)
-        for backend, mode in [(b, m) for b in backends for m in args.modes.split(",")]:
-            row = {"method": method, "backend": backend, "mode": mode, "dtype": dtype}
-            try:
-                row.update(compare(*engine_run(folder, method, dtype, backend, items, mode == "eager"), want))
-            except Exception as error:  # noqa: BLE001 - a backend that refuses is recorded, the others still run
-                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-                traceback.print_exc()
-            print(json.dumps(row), flush=True)
-            results.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "layerwise.json").write_text(json.dumps(results, indent=2) + "\n")
-    fields = ["method", "backend", "mode", "dtype", "requests", "ids_equal", "kept_equal", "max_logprob_gap", "compile",
-              "cudagraphs", "seconds", "error"]
-    lines = ["| " + " | ".join(fields) + " |", "|" + "---|" * len(fields)]
-    lines += ["| " + " | ".join(str(r.get(f, "")) for f in fields) + " |" for r in results]
-    (out / "layerwise.md").write_text("# Layer-wise methods in vLLM on this device's attention backends\n\n"
-                                      + "\n".join(lines) + "\n")
+    # most telling first (a time limit may stop the run; each row is written as it ends): stock vLLM at its defaults,
+    # then each method at vLLM's defaults (graphs), then eager
+    modes = [m for m in ("graphs", "eager") if m in args.modes.split(",")]
+    jobs = [("stock", b, "graphs") for b in backends] + [(m, b, mode) for mode in modes
+                                                         for m in args.methods.split(",") for b in backends]
+    results, wanted = [], {}
+    for method, backend, mode in jobs:
+        row = {"method": method, "backend": backend, "mode": mode, "dtype": dtype}
+        try:
+            if method == "stock":
+                rows, _, ran = engine_run(folder, "stock", dtype, backend, items, False)
+                row.update({"requests": len(rows), **ran})
+            else:
+                if method not in wanted:
+                    wanted[method] = reference(folder, method, getattr(torch, dtype), args.device, items)
+                row.update(compare(*engine_run(folder, method, dtype, backend, items, mode == "eager"),
+                                   wanted[method]))
+        except Exception as error:  # noqa: BLE001 - a backend that refuses is recorded, the others still run
+            row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            traceback.print_exc()
+        print(json.dumps(row), flush=True)
+        results.append(row)
+        write(out, results)
     return 0
 
 
