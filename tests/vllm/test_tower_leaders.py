@@ -108,11 +108,12 @@ def test_per_request_keep(engine, case, samples, expected):
         assert anchor_count(len(expected[0.5][2][1]), RELEASED_ALPHA) >= 1
 
 
+@pytest.mark.parametrize("case", [case for case in CASES if case[0] == "qwen2_vl"], indirect=True,
+                         ids=lambda case: "-".join(case))
 def test_video_per_temporal_patch(engine, case, clip):
-    """Qwen2-VL video: every temporal patch keeps its own share, as vtprune's per-frame groups."""
-    if case[0] != "qwen2_vl":
-        pytest.skip("video is checked on the embedded Qwen2-VL only (LLaVA-1.5 has no video input; the tiny "
-                    "Qwen2.5-VL / Qwen3-VL folders run the same per-frame path as VisionZip's)")
+    """Qwen2-VL video: every temporal patch keeps its own share, as vtprune's per-frame groups. Run on the embedded
+    Qwen2-VL's cases only: LLaVA-1.5 has no video input, and the tiny Qwen2.5-VL / Qwen3-VL folders run the same
+    per-frame path (their engines take no video)."""
     frames, question = clip
     model, processor = reference.load("qwen2_vl")
     want_ids, want_kept = reference.video_answers(model, processor, frames, question, case[1], 0.25)
