@@ -34,13 +34,15 @@ def reference_steps(model, processor, items, method: str | None, keep: float, st
     return out
 
 
-def engine_steps(llm, items, keep: float | None = None, steps: int = STEPS):
+def engine_steps(llm, items, keep: float | list[float] | None = None, steps: int = STEPS):
     """Per item, from one ``generate`` call (the engine batches and interleaves them as it schedules):
-    ``(new token ids, [per-step {token: log-probability} of the top 5])``."""
+    ``(new token ids, [per-step {token: log-probability} of the top 5])``. ``keep``: every request's, or a list
+    (one per item: per-request keeps in one batch)."""
     from vllm import SamplingParams
 
+    keeps = keep if isinstance(keep, list) else [keep] * len(items)
     requests = []
-    for image, question in items:
+    for (image, question), keep in zip(items, keeps, strict=True):
         count = len(image) if isinstance(image, list) else 1
         request = {"prompt": prompt(llm.get_tokenizer(), question, count), "multi_modal_data": {"image": image}}
         if keep is not None:

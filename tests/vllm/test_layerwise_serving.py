@@ -64,18 +64,9 @@ def test_per_request_keeps_in_one_batch(fastv, llava, prompts):
     keeps = [0.25, 0.5, 1.0, 0.25]
     want = {keep: reference_steps(model, processor, prompts, "fastv" if keep < 1 else None, keep)
             for keep in set(keeps)}
-    from layerwise_support import prompt
-    from vllm import SamplingParams
-
-    requests = [{"prompt": prompt(fastv.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
-                 "multi_modal_data": {"image": i}, "mm_processor_kwargs": {"vtprune_keep": keep}}
-                for (i, q), keep in zip(prompts, keeps)]
-    outputs = fastv.generate(requests, SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True),
-                             use_tqdm=False)
-    for index, (output, keep) in enumerate(zip(outputs, keeps)):
-        got = [(list(output.outputs[0].token_ids),
-                [{t: p.logprob for t, p in top.items()} for top in output.outputs[0].logprobs])]
-        assert step_gap(got, [want[keep][index]]) < TOLERANCE, keep
+    got = engine_steps(fastv, prompts, keep=keeps)
+    for index, keep in enumerate(keeps):
+        assert step_gap([got[index]], [want[keep][index]]) < TOLERANCE, keep
 
 
 def test_pruned_groups_hold_only_the_kept_tokens(fastv, prompts):

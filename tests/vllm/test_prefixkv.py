@@ -161,23 +161,14 @@ def test_keep_one_equals_the_unpruned_model(case, prompts):
 def test_per_request_keeps_in_one_batch(case, prompts):
     """Keeps 0.25, 0.5 and 1.0 side by side in one ``generate`` call: each request equals the transformers path at its
     own keep, and the requests at 1.0 hold every block (nothing reported, nothing freed)."""
-    from layerwise_support import prompt
-    from vllm import SamplingParams
-
     llm, model, processor, _, _ = case
     keeps = [0.5, 1.0, 0.25, 0.5]
     want = {keep: reference_steps(model, processor, prompts, "prefixkv" if keep < 1 else None, keep)
             for keep in set(keeps)}
-    requests = [{"prompt": prompt(llm.get_tokenizer(), q, len(i) if isinstance(i, list) else 1),
-                 "multi_modal_data": {"image": i}, "mm_processor_kwargs": {"vtprune_keep": keep}}
-                for (i, q), keep in zip(prompts, keeps)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
-    outputs = []
-    records, _ = block_ledger(llm, lambda: outputs.extend(llm.generate(requests, params, use_tqdm=False)))
-    for index, (output, keep) in enumerate(zip(outputs, keeps)):
-        got = [(list(output.outputs[0].token_ids),
-                [{t: p.logprob for t, p in top.items()} for top in output.outputs[0].logprobs])]
-        assert step_gap(got, [want[keep][index]]) < TOLERANCE, keep
+    got = []
+    records, _ = block_ledger(llm, lambda: got.extend(engine_steps(llm, prompts, keep=keeps)))
+    for index, keep in enumerate(keeps):
+        assert step_gap([got[index]], [want[keep][index]]) < TOLERANCE, keep
     reported = {request_id for request_id, *_, evicted in records if evicted is not None}
     assert len(reported) == 3  # the three pruned requests; the keep-1.0 one is never reported
 

@@ -101,6 +101,8 @@ class BuilderShift:
 
     def wrap(self) -> None:
         """Wrap the builders of every group ``offsets`` may shift (those of a ``region`` or ``layer`` spec), once."""
+        if self.builders:
+            return
         for gid, groups in enumerate(getattr(self.runner, "attn_groups", None) or []):
             spec = self.runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
             if not (getattr(spec, "region", 0) or hasattr(spec, "layer")):

@@ -46,7 +46,7 @@ class PrunedAttentionSpec(AttentionSpec):
 
     def as_full(self) -> FullAttentionSpec:
         """The ``FullAttentionSpec`` of the same layout (what a request that prunes nothing sees)."""
-        return FullAttentionSpec(**{f.name: getattr(self, f.name) for f in fields(AttentionSpec) if f.init})
+        return FullAttentionSpec(**_layout(self))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +64,7 @@ class RetainedAttentionSpec(AttentionSpec):
                    for spec in kv_cache_specs.values())
 
     def as_full(self) -> FullAttentionSpec:
-        return FullAttentionSpec(**{f.name: getattr(self, f.name) for f in fields(AttentionSpec) if f.init})
+        return FullAttentionSpec(**_layout(self))
 
 
 class KeptSlotsManager(FullAttentionManager):
@@ -148,40 +148,42 @@ KVCacheSpecRegistry.register(PrunedAttentionSpec, PrunedManager, uniform_type_ba
 KVCacheSpecRegistry.register(RetainedAttentionSpec, RetainedManager, uniform_type_base_spec=RetainedAttentionSpec)
 
 
-def pruned_spec(spec: Any, region: int) -> PrunedAttentionSpec:
-    """The :class:`PrunedAttentionSpec` of ``region`` with the fields of a layer's ``FullAttentionSpec``."""
+def _layout(spec: Any) -> dict:
+    """The ``AttentionSpec`` fields of ``spec`` (block size, heads, head size, dtype, ...)."""
+    return {f.name: getattr(spec, f.name) for f in fields(AttentionSpec) if f.init}
+
+
+def derived_spec(spec: Any, kind: type, **extra: int) -> Any:
+    """A ``kind`` spec (:class:`PrunedAttentionSpec`, :class:`RetainedAttentionSpec`) with the layout of a layer's
+    ``FullAttentionSpec`` and ``extra`` (its region or layer); other attention types refused in one line."""
     if not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None or spec.attention_chunk_size:
-        raise ValueError(f"vtprune: layer-wise pruning needs full-attention layers; this model has {spec!r}.")
-    shared = {f.name: getattr(spec, f.name) for f in fields(AttentionSpec) if f.init}
-    return PrunedAttentionSpec(**shared, region=region)
+        raise ValueError(f"vtprune: layer-wise pruning and prefixkv need full-attention layers; this model has "
+                         f"{spec!r}.")
+    return kind(**_layout(spec), **extra)
 
 
-def use_pruned_specs(attention_layers: Mapping[int, Any], region_of_layer: Any) -> None:
-    """Make each attention module of decoder layer ``i`` (``attention_layers[i]``, vLLM's ``Attention``) in a region
-    ``>= 1`` report a :class:`PrunedAttentionSpec` of its region (an instance attribute: the class is untouched)."""
+def _report_specs(attention_layers: Mapping[int, Any], kind: type, extra_of_layer: Any) -> None:
+    """Make the attention module of decoder layer ``i`` (``attention_layers[i]``, vLLM's ``Attention``) report a
+    ``kind`` spec with ``extra_of_layer(i)`` (None: its own spec); an instance attribute, the class is untouched."""
     for index, attention in attention_layers.items():
-        region = region_of_layer(index)
-        if region == 0:
+        extra = extra_of_layer(index)
+        if extra is None:
             continue
         stock = attention.get_kv_cache_spec
 
-        def get_kv_cache_spec(vllm_config: Any, _stock: Any = stock, _region: int = region) -> PrunedAttentionSpec:
-            return pruned_spec(_stock(vllm_config), _region)
+        def get_kv_cache_spec(vllm_config: Any, _stock: Any = stock, _extra: dict = extra) -> Any:
+            return derived_spec(_stock(vllm_config), kind, **_extra)
 
         attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def use_pruned_specs(attention_layers: Mapping[int, Any], region_of_layer: Any) -> None:
+    """The layers of regions ``>= 1`` report a :class:`PrunedAttentionSpec` of their region."""
+    _report_specs(attention_layers, PrunedAttentionSpec,
+                  lambda index: {"region": region} if (region := region_of_layer(index)) else None)
 
 
 def use_retained_specs(attention_layers: Mapping[int, Any]) -> None:
-    """Make the attention module of every decoder layer ``i`` report a :class:`RetainedAttentionSpec` of layer ``i``
-    (PrefixKV: a KV cache group per layer; an instance attribute, the class is untouched)."""
-    for index, attention in attention_layers.items():
-        stock = attention.get_kv_cache_spec
-
-        def get_kv_cache_spec(vllm_config: Any, _stock: Any = stock, _layer: int = index) -> RetainedAttentionSpec:
-            spec = _stock(vllm_config)
-            if not isinstance(spec, FullAttentionSpec) or spec.sliding_window is not None or spec.attention_chunk_size:
-                raise ValueError(f"vtprune: prefixkv needs full-attention layers; this model has {spec!r}.")
-            shared = {f.name: getattr(spec, f.name) for f in fields(AttentionSpec) if f.init}
-            return RetainedAttentionSpec(**shared, layer=_layer)
-
-        attention.get_kv_cache_spec = get_kv_cache_spec
+    """Every decoder layer ``i`` reports a :class:`RetainedAttentionSpec` of layer ``i`` (PrefixKV: a KV cache group
+    per layer)."""
+    _report_specs(attention_layers, RetainedAttentionSpec, lambda index: {"layer": index})

@@ -93,17 +93,6 @@ class ForwardContextSwap:
                     self._set(context.attn_metadata, name, metadata)
                     self._set(context.slot_mapping, name, common.slot_mapping)
 
-    def install_layer(self, runner: Any, layer_name: str, layout: RegionLayout, device: torch.device) -> None:
-        """Metadata and slot mapping of ``layout`` for one attention layer (PrefixKV: every layer its own lengths),
-        built by the layer's own group just before the layer runs."""
-        from vllm.forward_context import get_forward_context
-
-        context = get_forward_context()
-        gid, attention_group = layer_group(runner, layer_name)
-        common = common_metadata(runner, gid, layout, device)
-        self._set(context.attn_metadata, layer_name, build_metadata(attention_group, common))
-        self._set(context.slot_mapping, layer_name, common.slot_mapping)
-
     def _set(self, table: dict, name: str, value: Any) -> None:
         self.saved.append((table, name, table.get(name)))
         table[name] = value
