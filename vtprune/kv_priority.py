@@ -2,91 +2,106 @@
 
 PrefixKV (Wang et al., "PrefixKV: Adaptive Prefix KV Cache is What Vision Instruction-Following Models Need for
 Efficient Generation", arXiv:2412.03409) ranks a layer's cached keys by the attention the prompt's rows pay them.
-Here that sum is computed block by block, as FlashAttention (Dao et al., NeurIPS 2022, arXiv:2205.14135) computes
-attention: for each block of query rows, a first pass over the key blocks a row can see gives each row's softmax
-normaliser (its log-sum-exp), a second pass adds ``exp(s - lse)`` of every (row, key) pair to the keys' column
-sums. Memory is one ``[heads, rows, keys]`` block, key blocks above a row block's last position are skipped
-(causal), and the result equals the softmax-matrix computation (:func:`received_attention_reference`) up to
-float rounding. One function for vtprune's transformers path (:class:`vtprune.methods.prefixkv.PrefixKV`) and the
-vLLM plugin (:mod:`vtprune.vllm.layerwise.retention`), so both rank keys alike.
+Here that sum is computed one block of query rows at a time: a block's scores against the keys its rows can see
+(causal: the keys past the block's last position are never multiplied), each row's softmax over them (its
+normaliser is its own log-sum-exp), and the rows' weighted column sums. Memory is one ``[heads, rows, visible keys]``
+block, bounded by :data:`BLOCK_BYTES` (a block holds fewer rows when the keys are many), never the ``L x L``
+matrix; the result equals the softmax-matrix computation (:func:`received_attention_reference`) up to float
+rounding. On CUDA with Triton the same sum comes from vtprune's two-pass kernel
+(:func:`vtprune.kernels.visual_attention_scores`, a FlashAttention-style (Dao et al., arXiv:2205.14135) first
+pass for each row's log-sum-exp and a second for the column sums; its torch twin is the reference).
+
+One function for vtprune's transformers path (:class:`vtprune.methods.prefixkv.PrefixKV`) and the vLLM plugin
+(:mod:`vtprune.vllm.layerwise.retention`), so both rank keys alike. At 594 prompt rows, 4 heads of 64 (the serving
+proxy's layer) the row blocks take 1.3 ms on two CPU cores, against 4.3 ms for the earlier key-blocked two-pass
+loop (docs/serving.md).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-BLOCK = 128  # rows and keys per block (the fastest of 64 / 128 / 256 at 594 rows on a CPU: docs/serving.md)
-KEEP_BYTES = 64 * 2**20  # a row block's scores up to this size are kept for the second pass, not recomputed
+from vtprune.kernels import visual_attention_scores
+from vtprune.kernels._dispatch import resolve_impl
+
+BLOCK = 128  # query rows per block (64-300 rows are within 10 % of each other at 594 rows on a CPU)
+BLOCK_BYTES = 64 * 2**20  # a block's float32 scores stay under this size (fewer rows when the keys are many)
 
 
 def received_attention(query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,
                        query_valid: torch.Tensor, key_valid: torch.Tensor, scaling: float, block: int = BLOCK,
-                       rows_at_positions: bool = False) -> torch.Tensor:
+                       rows_at_positions: bool = False, impl: str = "auto") -> torch.Tensor:
     """``[B, L]`` float32: the head-averaged causal attention each key receives, summed over the valid query rows.
 
     query ``[B, H, Q, d]`` (post-RoPE) at ``query_positions`` ``[B, Q]`` (row ``q`` sees the keys ``l <=
     query_positions[b, q]`` with ``key_valid[b, l]``), key ``[B, H_kv, L, d]`` (query head ``h`` reads key head
     ``h // (H / H_kv)``), ``query_valid`` ``[B, Q]`` / ``key_valid`` ``[B, L]`` bool. A row that sees no key adds
     nothing. The sum over rows splits over row subsets: a prompt prefilled in chunks sums its chunks' results.
-    ``rows_at_positions``: the caller knows that row ``q`` sits at position ``q`` in every sample (a whole prompt's
-    rows), so the causal spans come from the shapes, with no read of the device's values (no host sync).
+    ``block``: query rows per block (at most). ``rows_at_positions``: the caller knows that row ``q`` sits at
+    position ``q`` in every sample (a whole prompt's rows), so the causal spans come from the shapes, with no read
+    of the device's values (no host sync). ``impl``: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"triton"``,
+    ``"torch"`` (:func:`vtprune.kernels._dispatch.resolve_impl`).
     """
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block={block!r} must be a positive int (rows and keys per block).")
-    batch, heads, rows, size = query.shape
-    kv_heads, length = key.shape[1], key.shape[2]
+        raise ValueError(f"block={block!r} must be a positive int (query rows per block).")
+    heads, kv_heads = query.shape[1], key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key heads (grouped-query attention).")
     device = query.device
-    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, rows, size)  # head h = kv * G + g
-    keys = key.float()
-    positions = query_positions.to(device=device, dtype=torch.long)
-    weights = query_valid.to(device).float() / heads  # [B, Q]: a row's share of the head average
+    positions, query_valid = query_positions.to(device=device, dtype=torch.long), query_valid.to(device)
     key_valid = key_valid.to(device)
-    every_key = not rows_at_positions and bool(key_valid.all())  # masks every block when the positions are known
+    if resolve_impl(impl, device) == "triton":
+        mean = visual_attention_scores(query, key, positions, key_valid, query_valid, scaling, impl="triton",
+                                       check=False)  # averaged over the valid rows: back to their sum
+        return mean * query_valid.sum(dim=1, keepdim=True).float()
+    return _row_blocks(query, key, positions, query_valid, key_valid, scaling, block, rows_at_positions)
+
+
+def _row_blocks(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, query_valid: torch.Tensor,
+                key_valid: torch.Tensor, scaling: float, block: int, rows_at_positions: bool) -> torch.Tensor:
+    """The torch path of :func:`received_attention` (its arguments; ``positions`` long on the query's device)."""
+    batch, heads, rows, size = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, rows, size)  # head h = kv * G + g
+    keys = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, d, L]
+    weights = query_valid.float() / heads  # [B, Q]: a row's share of the head average
+    every_key = not rows_at_positions and bool(key_valid.all())  # only the causal edge needs a mask
     last = None if rows_at_positions else positions.amax(dim=0).cpu()  # [Q] the last key row q sees (one host read)
-    total = torch.zeros(batch, length, dtype=torch.float32, device=device)
-    for start in range(0, rows, block):
-        part = slice(start, start + block)
-        end = min(min(start + block, rows) if last is None else int(last[part].max()) + 1, length)
-        spans = [(k, min(k + block, end)) for k in range(0, end, block)]
-        first_row = start if last is None else int(positions[:, part].amin().cpu())
-        scores = _ScoreBlocks(grouped[:, :, :, part], keys, positions[:, part], key_valid, every_key, scaling,
-                              first_row)
-        kept = math.prod(scores.shape) * end * 4 <= KEEP_BYTES  # this row block's scores fit: the second pass reuses them
-        lse, held = torch.full(scores.shape, float("-inf"), device=device), []
-        for first, stop in spans:
-            block_scores = scores(first, stop)
-            lse = torch.logaddexp(lse, torch.logsumexp(block_scores, dim=-1))
-            held.append(block_scores if kept else None)
-        lse = torch.where(torch.isinf(lse), torch.inf, lse)  # a row that sees no key: exp(s - inf) = 0
-        for (first, stop), block_scores in zip(spans, held, strict=True):
-            block_scores = scores(first, stop) if block_scores is None else block_scores
-            received = block_scores.sub_(lse[..., None]).exp_()  # [B, H_kv, G, rows, keys]
-            total[:, first:stop] += torch.einsum("bhgqk,bq->bk", received, weights[:, part])
+    first = positions.amin(dim=0).cpu() if every_key else None  # [Q] row q sees every key up to here
+    total = torch.zeros(batch, length, dtype=torch.float32, device=query.device)
+    start = 0
+    while start < rows:
+        end = length if last is None else min(int(last[start:start + block].max()) + 1, length)
+        step = max(1, min(block, BLOCK_BYTES // max(batch * heads * end * 4, 1)))
+        part = slice(start, min(start + step, rows))
+        if last is not None:  # the block may be smaller than its first guess: its own span
+            end = min(int(last[part].max()) + 1, length)
+        elif rows_at_positions:
+            end = min(part.stop, length)
+        if end > 0:
+            total[:, :end] += _block_sums(grouped[:, :, :, part], keys[..., :end], positions[:, part], key_valid,
+                                          weights[:, part], scaling, every_key,
+                                          int(first[part].min()) if every_key else 0)
+        start = part.stop
     return total
 
 
-class _ScoreBlocks:
-    """Masked, scaled scores ``[B, H_kv, G, rows, keys]`` of one row block against key blocks."""
-
-    def __init__(self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-                 every_key: bool, scaling: float, first_row: int) -> None:
-        self.query, self.key, self.positions, self.key_valid = query, key, positions, key_valid
-        self.every_key, self.scaling = every_key, scaling
-        self.first_row = first_row  # the block's first position: rows see at least the keys up to it
-        self.shape = query.shape[:-1]
-
-    def __call__(self, first: int, stop: int) -> torch.Tensor:
-        scores = torch.matmul(self.query, self.key[:, :, None, first:stop].transpose(-1, -2)) * self.scaling
-        if stop - 1 <= self.first_row and self.every_key:
-            return scores  # every row of the block sees every key of the span
-        columns = torch.arange(first, stop, device=scores.device)
-        seen = columns[None, None, :] <= self.positions[:, :, None]  # [B, rows, keys]
-        seen = seen & self.key_valid[:, None, first:stop]
-        return scores.masked_fill(~seen[:, None, None], float("-inf"))
+def _block_sums(query: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                weights: torch.Tensor, scaling: float, every_key: bool, unmasked: int) -> torch.Tensor:
+    """``[B, keys]`` weighted column sums of one row block's softmax; query ``[B, H_kv, G, rows, d]``, keys ``[B,
+    H_kv, 1, d, keys]``; the columns before ``unmasked`` are seen by every row (``every_key``: no padding)."""
+    scores = torch.matmul(query, keys).mul_(scaling)  # [B, H_kv, G, rows, keys]
+    columns = torch.arange(unmasked, keys.shape[-1], device=scores.device)
+    if columns.numel():
+        hidden = columns[None, None, :] > positions[:, :, None]  # [B, rows, masked columns]
+        if not every_key:
+            hidden |= ~key_valid[:, None, unmasked:keys.shape[-1]]
+        scores[..., unmasked:].masked_fill_(hidden[:, None, None], float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    if not every_key:
+        probabilities = probabilities.nan_to_num_(0.0)  # a row that sees no key: all -inf, softmax NaN
+    per_row = probabilities.sum(dim=(1, 2))  # [B, rows, keys]: summed over the heads
+    return torch.bmm(weights[:, None, :], per_row)[:, 0]
 
 
 def received_attention_reference(query: torch.Tensor, key: torch.Tensor, query_positions: torch.Tensor,

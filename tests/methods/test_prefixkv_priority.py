@@ -1,7 +1,8 @@
-"""PrefixKV's priority computed block by block (``vtprune.kv_priority.received_attention``: each row's log-sum-exp,
-then ``exp(s - lse)`` column sums) against a hand-computed case and the whole softmax matrix (float64): causal rows,
-grouped-query heads, ragged rows and keys, several block sizes; and PrefixKV's kept entries on tiny models equal
-those from the earlier softmax-per-chunk priority (``vtprune.scoring.received_attention_sum``)."""
+"""PrefixKV's priority computed one block of query rows at a time (``vtprune.kv_priority.received_attention``: each
+row's softmax over the keys it sees, weighted column sums; Triton's two-pass kernel on CUDA) against a hand-computed
+case and the whole softmax matrix (float64): causal rows, grouped-query heads, ragged rows and keys, repeated and
+unsorted positions, several block sizes; and PrefixKV's kept entries on tiny models equal those from the earlier
+softmax-per-chunk priority (``vtprune.scoring.received_attention_sum``)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,31 @@ def test_prefixkv_keeps_the_same_entries_as_with_the_softmax_per_chunk(model_typ
             model(**inputs)
             kept.append([[list(map(int, row)) for row in layer] for layer in handle.last_stats.kept_indices])
     assert kept[0] == kept[1]
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 256])
+def test_every_key_valid_with_repeated_and_unsorted_positions(block):
+    """No padding (only the causal edge is masked): rows share positions and come in any order."""
+    generator = torch.Generator().manual_seed(block + 7)
+    query, key = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 2, 12, 8, generator=generator)
+    positions = torch.tensor([[0, 0, 0, 1, 5, 3, 11, 2], [7, 7, 1, 0, 4, 4, 9, 10]])
+    rows, keys = torch.ones(2, 8, dtype=torch.bool), torch.ones(2, 12, dtype=torch.bool)
+    want = received_attention_reference(query, key, positions, rows, keys, 0.5)
+    torch.testing.assert_close(received_attention(query, key, positions, rows, keys, 0.5, block), want,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_triton_kernel_equals_the_row_blocks():
+    """``impl="triton"`` (CUDA's default; the interpreter here): vtprune's two-pass kernel, its mean over the valid
+    rows turned back into their sum, equals the matrix, padded keys and invalid rows included."""
+    generator = torch.Generator().manual_seed(11)
+    query, key = torch.randn(2, 4, 6, 16, generator=generator), torch.randn(2, 2, 9, 16, generator=generator)
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8], [0, 2, 2, 5, 8, 8]])
+    rows = torch.tensor([[True] * 6, [True, False, True, True, True, False]])
+    keys = torch.ones(2, 9, dtype=torch.bool)
+    keys[1, 1] = False
+    want = received_attention_reference(query, key, positions, rows, keys, 0.25)
+    got = received_attention(query, key, positions, rows, keys, 0.25, impl="triton")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(received_attention(query, key, positions, rows, keys, 0.25, impl="torch"), want,
+                               atol=1e-5, rtol=1e-5)

@@ -5,8 +5,8 @@ layer's cache keeps its own subset of the evictable tokens (``scope="visual"``: 
 the prompt kept; ``scope="prompt"``: the whole prompt but its first ``start`` tokens and the last token).
 
 * **Priority** of a cached key at layer ``l``: the head-averaged attention it receives, summed over the prompt's
-  query rows (:func:`vtprune.kv_priority.received_attention`, recomputed from the layer's q/k block by block with
-  each row's log-sum-exp, never an ``L x L`` matrix; the vLLM plugin sums with the same function; ``query_rows=n``
+  query rows (:func:`vtprune.kv_priority.received_attention`, recomputed from the layer's q/k one block of rows at
+  a time, never an ``L x L`` matrix; the vLLM plugin sums with the same function; ``query_rows=n``
   samples ``n`` evenly spaced rows instead).
 * **Per-layer retention** (the paper's global prefix configuration): sort each layer's priorities, normalise
   them to sum 1 and take the cumulative curve ``P_l(n)``; one threshold ``p`` gives ``keep_l = #{n: P_l(n) < p}

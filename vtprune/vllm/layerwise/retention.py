@@ -272,7 +272,8 @@ class RetentionRuntime:
                                               slots)
             cut_blocks(runner, request_id, step.index, gid, rows.numel())
             evicted.append(step.prompt - rows.numel())
-            ordinals.append([int(o) for o in ordinal[rows] if o >= 0])
+            picked = ordinal[rows]
+            ordinals.append(picked[picked >= 0].tolist())
         record.evicted, record.kept = tuple(evicted), kept
         self.reports[request_id] = record.evicted
         record.priority, record.keys, record.entries = [], [], []
