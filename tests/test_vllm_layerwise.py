@@ -377,3 +377,14 @@ def test_nothing_shifted_keeps_the_slots_and_copies_the_lengths():
         out = shifted_metadata(common([7, 3], [0, 1, 2], slots), offsets, buffer, torch.zeros(2, 2), 4)
         assert out.seq_lens.tolist() == [7, 3] and out.seq_lens.data_ptr() == buffer.data_ptr()
         assert slots.tolist() == [11, 12] and out.max_seq_len == 7
+
+
+@pytest.mark.parametrize("chunked, want_gib", [(True, 6.0), (False, 4.0)])
+def test_prefixkv_held_entries_bound_by_hand(chunked, want_gib):
+    """LLaVA-1.5-7B's language model in bfloat16: 32 layers x 2 x 32 KV heads x 128 x 2 bytes = 0.5 MiB per token;
+    8,192 batched tokens, plus a 4,096-token partial prompt when chunked prefill is on."""
+    model = SimpleNamespace(max_model_len=4096, dtype=torch.bfloat16, get_num_layers=lambda parallel: 32,
+                            get_num_kv_heads=lambda parallel: 32, get_head_size=lambda: 128)
+    scheduler = SimpleNamespace(max_num_batched_tokens=8192, enable_chunked_prefill=chunked)
+    config = SimpleNamespace(model_config=model, parallel_config=None, scheduler_config=scheduler)
+    assert lw_config.held_entries_bytes(config) == want_gib * 2**30

@@ -131,8 +131,10 @@ def test_every_key_valid_with_repeated_and_unsorted_positions(block):
 
 
 def test_the_triton_kernel_equals_the_row_blocks():
-    """``impl="triton"`` (CUDA's default; the interpreter here): vtprune's two-pass kernel, its mean over the valid
-    rows turned back into their sum, equals the matrix, padded keys and invalid rows included."""
+    """``impl="triton"`` (CUDA's default; on a CPU through the interpreter the test conftest turns on): vtprune's
+    two-pass kernel, its mean over the valid rows turned back into their sum, equals the matrix, padded keys and
+    invalid rows included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(11)
     query, key = torch.randn(2, 4, 6, 16, generator=generator), torch.randn(2, 2, 9, 16, generator=generator)
     positions = torch.tensor([[3, 4, 5, 6, 7, 8], [0, 2, 2, 5, 8, 8]])
@@ -140,7 +142,8 @@ def test_the_triton_kernel_equals_the_row_blocks():
     keys = torch.ones(2, 9, dtype=torch.bool)
     keys[1, 1] = False
     want = received_attention_reference(query, key, positions, rows, keys, 0.25)
-    got = received_attention(query, key, positions, rows, keys, 0.25, impl="triton")
+    on = [t.to(device) for t in (query, key, positions, rows, keys)]
+    got = received_attention(*on, 0.25, impl="triton").cpu()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(received_attention(query, key, positions, rows, keys, 0.25, impl="torch"), want,
                                atol=1e-5, rtol=1e-5)

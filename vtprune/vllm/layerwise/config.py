@@ -88,10 +88,28 @@ def _retention_settings(vllm_config: Any, method: str) -> None:
             f"{method} needs vtprune's scheduler (a recompute after a preemption ends a step at its prompt's end); "
             f"drop scheduler_cls={custom!r}.")
     vllm_config.scheduler_config.scheduler_cls = RETENTION_SCHEDULER
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # a GPU's KV cache is sized from a profile run that holds no prompt
+        logger.warning("vtprune: %s holds each prefilling prompt's keys and values of every layer until its prefill "
+                       "ends, up to %.2f GiB per rank, outside vLLM's memory profile; if the engine runs out of "
+                       "memory, lower gpu_memory_utilization by that much.", method, held_entries_bytes(vllm_config) / 2**30)
     if vllm_config.cache_config.enable_prefix_caching:
         logger.warning("vtprune: %s rewrites each layer's KV entries after the prefill; prefix caching is turned off.",
                        method)
         vllm_config.cache_config.enable_prefix_caching = False
+
+
+def held_entries_bytes(vllm_config: Any) -> int:
+    """Bytes PrefixKV's prefills hold at most per rank (:mod:`vtprune.vllm.layerwise.retention` keeps each prefilling
+    request's keys and values of every layer until its prefill ends): a step's ``max_num_batched_tokens``, plus one
+    partial prompt of ``max_model_len`` from earlier chunks when chunked prefill is on, x layers x 2 x KV heads of
+    the rank x head size x the model's bytes per value."""
+    model, parallel, scheduler = vllm_config.model_config, vllm_config.parallel_config, vllm_config.scheduler_config
+    tokens = scheduler.max_num_batched_tokens + (model.max_model_len if scheduler.enable_chunked_prefill else 0)
+    per_token = (model.get_num_layers(parallel) * 2 * model.get_num_kv_heads(parallel) * model.get_head_size()
+                 * model.dtype.itemsize)
+    return int(tokens * per_token)
 
 
 def refuse_prompt_logprobs(model_config: Any) -> None:

@@ -245,9 +245,11 @@ class RetentionRuntime:
                                    self.retention.start)
         counts, _, available = layer_counts(KVPlan(retention=self.retention, keep=record.keep), priorities,
                                             evictable, valid)
-        masks = [select_kept(priorities[layer], evictable, valid, torch.tensor(counts[layer], device=device),
-                             width=available[0], k_max=counts[layer][0])[0] for layer in range(len(counts))]
-        return ranks.broadcast_from_first_rank(torch.stack(masks).to(torch.uint8)).bool()
+        layers = len(counts)  # one selection, the layers as its batch (each row its own count)
+        masks = select_kept(priorities[:, 0], evictable.expand(layers, -1), valid.expand(layers, -1),
+                            torch.tensor([c[0] for c in counts], device=device), width=available[0],
+                            k_max=max(c[0] for c in counts))
+        return ranks.broadcast_from_first_rank(masks.to(torch.uint8)).bool()
 
     def _retain(self, step: StepRequest, record: RetentionRecord) -> None:
         """Write each layer's kept entries to the front of the request's slots (after a recompute: the first
@@ -261,8 +263,9 @@ class RetentionRuntime:
         request_id = runner.input_batch.req_ids[step.index]
         for layer, attention in enumerate(self.attention):
             rows = kept[layer].nonzero().flatten().cpu()
-            keys = torch.cat([k for k, _ in record.entries[layer]])
-            values = torch.cat([v for _, v in record.entries[layer]])
+            chunks = record.entries[layer]
+            keys, values = chunks[0] if len(chunks) == 1 else (torch.cat([k for k, _ in chunks]),
+                                                               torch.cat([v for _, v in chunks]))
             gid, _ = layer_group(runner, attention.layer_name)
             table = runner.input_batch.block_table[gid]
             layout = RegionLayout([step.index], [rows.numel()], [rows.numel()], torch.arange(rows.numel()))
