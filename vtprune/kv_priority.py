@@ -62,13 +62,15 @@ def _row_blocks(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
     """The torch path of :func:`received_attention` (its arguments; ``positions`` long on the query's device)."""
     batch, heads, rows, size = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
+    total = torch.zeros(batch, length, dtype=torch.float32, device=query.device)
+    if rows == 0 or length == 0 or batch == 0:
+        return total
     grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, rows, size)  # head h = kv * G + g
     keys = key.float().transpose(-1, -2)[:, :, None]  # [B, H_kv, 1, d, L]
     weights = query_valid.float() / heads  # [B, Q]: a row's share of the head average
     every_key = not rows_at_positions and bool(key_valid.all())  # only the causal edge needs a mask
     last = None if rows_at_positions else positions.amax(dim=0).cpu()  # [Q] the last key row q sees (one host read)
     first = positions.amin(dim=0).cpu() if every_key else None  # [Q] row q sees every key up to here
-    total = torch.zeros(batch, length, dtype=torch.float32, device=query.device)
     start = 0
     while start < rows:
         end = length if last is None else min(int(last[start:start + block].max()) + 1, length)

@@ -147,3 +147,10 @@ def test_the_triton_kernel_equals_the_row_blocks():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(received_attention(query, key, positions, rows, keys, 0.25, impl="torch"), want,
                                atol=1e-5, rtol=1e-5)
+
+
+def test_no_rows_or_no_keys_give_zeros():
+    ones = torch.ones(1, 3, dtype=torch.bool)
+    got = received_attention(torch.ones(1, 2, 0, 4), torch.ones(1, 2, 3, 4), torch.zeros(1, 0, dtype=torch.long),
+                             torch.ones(1, 0, dtype=torch.bool), ones, 1.0)
+    torch.testing.assert_close(got, torch.zeros(1, 3))
