@@ -5,8 +5,8 @@ prefixkv: each layer's kept entries) on the embedded LLaVA: one vLLM engine (pre
 time) answers four prompts at keep 0.25 for 6 steps; the kept tokens, the token ids and the largest log-probability
 gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise.json`` and ``OUT/layerwise.md``.
 A backend that refuses the model (e.g. its head size) is recorded and skipped. Each engine runs twice (``--modes``):
-``eager`` (``enforce_eager=True``) and ``graphs`` (vLLM's defaults, as the plugin adjusts them: PrefixKV compiled,
-the compacting methods uncompiled, CUDA graphs for uniform decode steps), with the compilation and CUDA-graph modes
+``eager`` (``enforce_eager=True``) and ``graphs`` (vLLM's defaults, as the plugin adjusts them: every method compiled,
+CUDA graphs for uniform decode steps), with the compilation and CUDA-graph modes
 the engine ran and the seconds its ``generate`` call took; a ``stock`` row per backend (stock vLLM at its defaults,
 unpruned) gives the time to compare with. Run by ``scripts/gpu_check.sh`` on a GPU; ``--device cpu``
 runs the CPU backend (a check of the script itself).

@@ -281,8 +281,8 @@ def conditions(args: argparse.Namespace) -> str:
     sha = subprocess.run(["git", "describe", "--always", "--dirty=+changes"], cwd=source, capture_output=True,
                          text=True).stdout
     return (f"vLLM {vllm.__version__} ({'CPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()}), "
-            f"torch {torch.__version__}, {args.dtype}, vLLM's default compile mode (the plugin runs the compacting "
-            f"layer-wise methods uncompiled, PrefixKV compiled), {os.cpu_count()} cores "
+            f"torch {torch.__version__}, {args.dtype}, vLLM's default compile mode (the plugin's "
+            f"layer-wise methods and PrefixKV compiled), {os.cpu_count()} cores "
             f"(OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}), Python {platform.python_version()}, "
             f"vtprune {sha.strip() or '?'}; requests per concurrency max({args.requests}, 2 x concurrency), "
             f"pruned and unpruned engines up together and measured in {args.rounds} alternating rounds (median "

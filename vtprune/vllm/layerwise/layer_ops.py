@@ -1,0 +1,131 @@
+"""The compacting layer-wise methods' hooks as registered ops, so that vLLM's compiled language model runs them.
+
+torch.compile traces module hooks into the graph, freezing the Python control flow as it ran while tracing (a
+warm-up step with no request). The hooks of :class:`vtprune.vllm.layerwise.runtime.LayerwiseRuntime` therefore call
+these ops unconditionally, and each op decides at run time, in its runtime's Python, what the step needs (as
+PrefixKV's two ops do, :mod:`vtprune.vllm.layerwise.ops`, whose lookup by attention layer name they share):
+
+* ``vtprune::layer_begin`` (layer 0) reads the step's requests;
+* ``vtprune::layer_score`` scores the prompts ending now below a stage (FastV's layer ``K - 1``);
+* ``vtprune::layer_stage`` (a stage layer) returns the compacted ``(positions, hidden, residual)``: its row count is
+  known only at run time, so its fake returns a new unbacked size (``torch.library.get_ctx().new_dynamic_size()``)
+  and the compiled layers after it run for whatever count it returns;
+* ``vtprune::layer_positions`` (layers above the first stage) returns the current layout's positions, as many as
+  the layer's hidden rows (the language model passes every layer its own, uncompacted ``positions``);
+* ``vtprune::layer_end`` (after the final norm) returns the rows at their scheduled places (again a new size);
+* ``vtprune::layer_capture`` / ``vtprune::layer_pre_capture`` run a method's captures.
+
+An op returns new tensors (a custom op's outputs may not alias its inputs): a copy of its input when the step
+compacts nothing. Ops without outputs declare that they mutate their first tensor (they do not), so that the
+compiler keeps them. Steps of decode rows only find nothing to do; a full CUDA graph that captured them replays the
+copies without the Python.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vtprune.vllm.layerwise.ops import _runtime
+
+
+def _copies(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.clone() for t in tensors)
+
+
+@torch.library.custom_op("vtprune::layer_begin", mutates_args=("hidden",))
+def layer_begin(hidden: torch.Tensor, layer_name: str) -> None:
+    """The step's first layer: the runtime reads the step's requests (``hidden`` ``[T, D]``: ``T`` the step's rows)."""
+    target = _runtime(layer_name)
+    if target is not None:
+        target.begin(hidden.shape[0])
+
+
+@layer_begin.register_fake
+def _(hidden: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("vtprune::layer_score", mutates_args=("hidden",))
+def layer_score(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
+                layer: int) -> None:
+    """Scores of a stage above ``layer`` for the prompts that end in this step."""
+    target = _runtime(layer_name)
+    if target is not None:
+        target.score_ahead(layer, positions, hidden, residual)
+
+
+@layer_score.register_fake
+def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
+      layer: int) -> None:
+    return None
+
+
+@torch.library.custom_op("vtprune::layer_stage", mutates_args=())
+def layer_stage(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, layer_name: str,
+                layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions [..., T'], hidden [T', D], residual [T', D])`` after stage layer ``layer``'s compaction."""
+    target = _runtime(layer_name)
+    rows = target.stage_rows(layer, positions, hidden, residual) if target is not None else None
+    return _copies(positions, hidden, residual) if rows is None else rows
+
+
+@layer_stage.register_fake
+def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, layer_name: str,
+      layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (positions.new_empty(*positions.shape[:-1], rows), hidden.new_empty(rows, hidden.shape[-1]),
+            residual.new_empty(rows, residual.shape[-1]))
+
+
+@torch.library.custom_op("vtprune::layer_positions", mutates_args=())
+def layer_positions(positions: torch.Tensor, hidden: torch.Tensor, layer_name: str, layer: int) -> torch.Tensor:
+    """``[..., T']`` the positions of the rows ``hidden`` ``[T', D]`` holds at ``layer`` (after a stage's)."""
+    target = _runtime(layer_name)
+    current = target.current_positions() if target is not None else None
+    return (positions if current is None else current).clone()
+
+
+@layer_positions.register_fake
+def _(positions: torch.Tensor, hidden: torch.Tensor, layer_name: str, layer: int) -> torch.Tensor:
+    return positions.new_empty(*positions.shape[:-1], hidden.shape[0])
+
+
+@torch.library.custom_op("vtprune::layer_end", mutates_args=())
+def layer_end(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """``[T, D]`` the final norm's rows back at the step's scheduled places (pruned prompt rows zero)."""
+    target = _runtime(layer_name)
+    rows = target.end_rows(hidden) if target is not None else None
+    return hidden.clone() if rows is None else rows
+
+
+@layer_end.register_fake
+def _(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return hidden.new_empty(torch.library.get_ctx().new_dynamic_size(), hidden.shape[-1])
+
+
+@torch.library.custom_op("vtprune::layer_capture", mutates_args=("output",))
+def layer_capture(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
+    """Capture number ``capture`` of the method: a module's tensor ``inputs`` and its ``output``."""
+    target = _runtime(layer_name)
+    if target is not None:
+        target.capture(capture, inputs, output)
+
+
+@layer_capture.register_fake
+def _(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
+    return None
+
+
+@torch.library.custom_op("vtprune::layer_pre_capture", mutates_args=("hidden",))
+def layer_pre_capture(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
+                      layer: int) -> None:
+    """The captures before decoder layer ``layer`` (its input stream and positions)."""
+    target = _runtime(layer_name)
+    if target is not None:
+        target.layer_captures_at(layer, positions, hidden, residual)
+
+
+@layer_pre_capture.register_fake
+def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
+      layer: int) -> None:
+    return None
