@@ -5,7 +5,8 @@ one) and two sequences at a time, so new prefills join running decodes. Checked,
 keep 0.25 the kept visual tokens, the greedy tokens and the log-probabilities of six decode steps equal
 ``vtprune.wrap(model, method, keep=0.25)`` on the same weights; at keep 1.0 (per request) the pruned model equals
 stock vLLM. Families: the embedded LLaVA-1.5 (every method) and Qwen2-VL (4 decoder layers), and tiny 4-layer
-LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL checkpoints (tests/vllm/tiny_folders.py); see CASES.
+LLaVA-NeXT, LLaVA-OneVision, Qwen2.5-VL and Qwen3-VL checkpoints (tests/vllm/tiny_folders.py); see CASES. Two
+cases run compiled (COMPILED), keep 1.0 included.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ EVERY = ("fastv", "pdrop", "transprune", "ttv", "dart", "fastv+debias")
 CASES = ([("llava", m) for m in EVERY] + [("qwen2_vl", m) for m in ("fastv", "transprune", "dart")]
          + [("llava_next", "fastv"), ("llava_onevision", "transprune"), ("qwen2_5_vl", "pdrop+debias"),
             ("qwen3_vl", "dart"), ("qwen2_vl", "ttv")])  # Qwen3-VL: DeepStack feeds layers 0-1, stages from 2
+#: cases whose engine keeps vLLM's compile mode (``enforce_eager`` off): M-RoPE positions, captures, DeepStack
+COMPILED = {("qwen2_vl", "transprune"), ("qwen3_vl", "dart")}
 ARCHITECTURE = {"llava": "Llava", "qwen2_vl": "Qwen2VL", "llava_next": "LlavaNext", "llava_onevision": "LlavaOnevision",
                 "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}
 SIZES = [(112, 112), (200, 112), (112, 190)]  # width x height (LLaVA-NeXT / OneVision: several tile grids)
@@ -92,7 +95,7 @@ def case(request, folders, samples):
     folder = folders(family)
     model, processor = reference.load_folder(folder)
     want = reference_steps(model, processor, samples, method, 0.25)
-    llm = start(folder, family, method)
+    llm = start(folder, family, method, **({"enforce_eager": False} if (family, method) in COMPILED else {}))
     yield family, method, llm, want
     shutdown(llm)
 
