@@ -2,9 +2,9 @@
 one served request as the engine's own KV managers hold them, next to the benchmark's formula.
 
 Options (:func:`engine_options`): the model folder, dtype, max_model_len, max_num_seqs, seed, dummy weights for the
-proxies, one image per prompt; the pruned engines add vtprune's architecture and settings (the plugin itself turns
-on eager execution for the layer-wise methods and PrefixKV); everything else, compile mode and prefix caching
-included, is vLLM's default. A memory-bound run adds ``kv_cache_memory_bytes``.
+proxies, one image per prompt; the pruned engines add vtprune's architecture and settings (the plugin itself sets
+the layer-wise methods' and PrefixKV's graph settings: compiled, full CUDA graphs for decode batches only, prefix
+caching off for PrefixKV); everything else, compile mode and prefix caching included, is vLLM's default. A memory-bound run adds ``kv_cache_memory_bytes``.
 
 Blocks: one request (the benchmark's prompt and a random image, ``--max-tokens`` output tokens) runs alone through an
 in-process vLLM engine (``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so its scheduler is reachable); after
