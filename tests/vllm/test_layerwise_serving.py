@@ -182,5 +182,11 @@ def test_vllms_default_modes_compile_the_compacting_methods(llava, prompts, meth
         assert config.compilation_config.mode != CompilationMode.NONE
         assert method in config.additional_config["vtprune"]
         assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+        if method == "fastv":  # the control: a compiled graph runs the ops' Python, so breaking it must show
+            try:
+                llm.apply_model(functools.partial(break_layerwise, part="compaction"))
+                assert step_gap(engine_steps(llm, prompts), want) > 0.01
+            finally:
+                llm.apply_model(functools.partial(break_layerwise, part=None))
     finally:
         shutdown(llm)

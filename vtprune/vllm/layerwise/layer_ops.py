@@ -6,14 +6,15 @@ these ops unconditionally, and each op decides at run time, in its runtime's Pyt
 PrefixKV's two ops do, :mod:`vtprune.vllm.layerwise.ops`, whose lookup by attention layer name they share):
 
 * ``vtprune::layer_begin`` (layer 0) reads the step's requests;
-* ``vtprune::layer_score`` scores the prompts ending now below a stage (FastV's layer ``K - 1``);
+* ``vtprune::layer_input`` reads a layer's input: scores for a stage above it (FastV's layer ``K - 1``), or the
+  method's captures before the layer;
 * ``vtprune::layer_stage`` (a stage layer) returns the compacted ``(positions, hidden, residual)``: its row count is
   known only at run time, so its fake returns a new unbacked size (``torch.library.get_ctx().new_dynamic_size()``)
   and the compiled layers after it run for whatever count it returns;
 * ``vtprune::layer_positions`` (layers above the first stage) returns the current layout's positions, as many as
   the layer's hidden rows (the language model passes every layer its own, uncompacted ``positions``);
 * ``vtprune::layer_end`` (after the final norm) returns the rows at their scheduled places (again a new size);
-* ``vtprune::layer_capture`` / ``vtprune::layer_pre_capture`` run a method's captures.
+* ``vtprune::layer_capture`` runs a method's capture of a module's output.
 
 An op returns new tensors (a custom op's outputs may not alias its inputs): a copy of its input when the step
 compacts nothing. Ops without outputs declare that they mutate their first tensor (they do not), so that the
@@ -45,18 +46,19 @@ def _(hidden: torch.Tensor, layer_name: str) -> None:
     return None
 
 
-@torch.library.custom_op("vtprune::layer_score", mutates_args=("hidden",))
-def layer_score(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
-                layer: int) -> None:
-    """Scores of a stage above ``layer`` for the prompts that end in this step."""
+@torch.library.custom_op("vtprune::layer_input", mutates_args=("hidden",))
+def layer_input(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
+                layer: int, use: str) -> None:
+    """Decoder layer ``layer``'s input read, not changed: ``use="score"`` scores a stage above it for the prompts that
+    end in this step, ``use="capture"`` runs the method's captures before it."""
     target = _runtime(layer_name)
     if target is not None:
-        target.score_ahead(layer, positions, hidden, residual)
+        (target.score_ahead if use == "score" else target.layer_captures_at)(layer, positions, hidden, residual)
 
 
-@layer_score.register_fake
-def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
-      layer: int) -> None:
+@layer_input.register_fake
+def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str, layer: int,
+      use: str) -> None:
     return None
 
 
@@ -113,19 +115,4 @@ def layer_capture(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: 
 
 @layer_capture.register_fake
 def _(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
-    return None
-
-
-@torch.library.custom_op("vtprune::layer_pre_capture", mutates_args=("hidden",))
-def layer_pre_capture(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
-                      layer: int) -> None:
-    """The captures before decoder layer ``layer`` (its input stream and positions)."""
-    target = _runtime(layer_name)
-    if target is not None:
-        target.layer_captures_at(layer, positions, hidden, residual)
-
-
-@layer_pre_capture.register_fake
-def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
-      layer: int) -> None:
     return None

@@ -123,7 +123,7 @@ class LayerwiseRuntime:
         if index > self.plan.layers[0]:
             positions = layer_ops.layer_positions(positions, hidden, name, index)
         if index in self.score_at:
-            layer_ops.layer_score(positions, hidden, residual, name, index)
+            layer_ops.layer_input(positions, hidden, residual, name, index, "score")
         if index in self.stage_at:
             positions, hidden, residual = layer_ops.layer_stage(positions, hidden, residual, name, index)
         return (positions, hidden, residual, *args[3:]), kwargs
@@ -139,7 +139,7 @@ class LayerwiseRuntime:
 
     def _run_layer_captures(self, layer: int, module: Any, args: tuple, kwargs: dict) -> None:
         positions, hidden, residual = args[:3]
-        layer_ops.layer_pre_capture(positions, hidden, residual, self.names[layer], layer)
+        layer_ops.layer_input(positions, hidden, residual, self.names[layer], layer, "capture")
 
     # -- the step -----------------------------------------------------------------------------------------------
     def _begin(self, total: int) -> None:
