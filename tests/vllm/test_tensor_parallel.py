@@ -3,9 +3,11 @@
 Every rank runs the tower and the selection; the plugin makes the ranks keep rank 0's rows (a broadcast), so a
 rank whose embeddings differ by float noise cannot select other tokens than the others and desynchronise the
 prompt silently. A layer-wise method (FastV) scores with every rank's heads gathered, so the ranks agree and equal
-the transformers path. Checked: the kept rows on both ranks and the greedy answers equal vtprune's transformers path;
-with rank 1's embeddings perturbed, both ranks still keep rank 0's rows, and with the broadcast switched off in
-the workers the same perturbation makes rank 1 select other rows (so the check can fail).
+the transformers path. The layer-wise engines (FastV, PrefixKV) run compiled, vLLM's default: every rank traces
+the plugin's ops and runs their Python, collectives included, in the same order. Checked: the kept rows on both
+ranks and the greedy answers equal vtprune's transformers path; with rank 1's embeddings perturbed, both ranks
+still keep rank 0's rows, and with the broadcast switched off in the workers the same perturbation makes rank 1
+select other rows (so the check can fail).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def test_layer_wise_pruning_keeps_the_same_tokens_on_both_ranks(engine, items):
     model, processor = reference.load("qwen2_vl")
     chosen = items[:ITEMS]
     want = reference_steps(model, processor, chosen, "fastv", 0.25)
-    llm = two_ranks(method="fastv", max_num_seqs=2)
+    llm = two_ranks(method="fastv", max_num_seqs=2, enforce_eager=False)
     try:
         rank_selections(llm)
         assert step_gap(engine_steps(llm, chosen), want) < TOLERANCE
@@ -120,7 +122,7 @@ def test_prefixkv_keeps_the_same_entries_on_both_ranks(items):
     model, processor = reference.load("qwen2_vl")
     chosen = items[:ITEMS]
     want = reference_steps(model, processor, chosen, "prefixkv", 0.25)
-    llm = two_ranks(method="prefixkv", max_num_seqs=2, block_size=32)
+    llm = two_ranks(method="prefixkv", max_num_seqs=2, block_size=32, enforce_eager=False)
     try:
         rank_selections(llm)
         assert step_gap(engine_steps(llm, chosen), want) < TOLERANCE
