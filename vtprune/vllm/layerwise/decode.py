@@ -8,6 +8,11 @@ the tensor the forward context hands that group's layers), written in place; the
 per instance to mark the builds of a real step (profiling and capture runs build with nothing shifted); builds inside
 the forward (a compacting step's hooks, :mod:`vtprune.vllm.layerwise.metadata`) pass through unchanged.
 
+Groups of one spec share a build: vLLM builds the first group's metadata and, where the backend allows it
+(``builder.supports_update_block_table``: FlashAttention), hands the others that metadata with their own block table
+and slot mapping (``builder.update_block_table``). The shift of such a group (the same offsets: groups of one spec are
+one layer-wise region) then only rewrites the group's own slots, in the wrapped ``update_block_table``.
+
 A request that decodes in a group whose layers hold ``offset`` fewer entries than its tokens (a layer-wise method's
 pruned region, or a PrefixKV layer after its prefill) sees sequence length ``tokens - offset`` there, and its new rows
 go to KV positions ``offset`` lower. The shifted sequence lengths live in one persistent buffer per group, so a
@@ -77,13 +82,14 @@ class BuilderShift:
         self.runner, self.offsets, self.first_build = runner, offsets, first_build
         self.live = self.began = False
         self.buffers: dict[int, torch.Tensor] = {}
+        self.common: Any = None  # the last build's (unshifted) common metadata: what a shared build's groups share
         self.builders: list[Any] = []
         self.stock = {name: runner.__dict__.get(name) for name in ("execute_model", "capture_model")}
         execute = runner.execute_model
 
         def execute_model(*args: Any, **kwargs: Any) -> Any:
             self.wrap()
-            self.live, self.began = True, False
+            self.live, self.began, self.common = True, False, None
             try:
                 return execute(*args, **kwargs)
             finally:
@@ -111,6 +117,7 @@ class BuilderShift:
                 for builder in getattr(group, "metadata_builders", None) or [group.get_metadata_builder()]:
                     if "build" not in builder.__dict__:
                         builder.build = self._build(gid, builder.build)
+                        builder.update_block_table = self._update(gid, builder.update_block_table)
                         self.builders.append(builder)
 
     def _build(self, gid: int, stock: Callable[..., Any]) -> Callable[..., Any]:
@@ -123,13 +130,29 @@ class BuilderShift:
                 self.began = True
                 if self.first_build is not None:
                     self.first_build()
-            offsets = self.offsets(gid) if self.live else None
-            table = self.runner.input_batch.block_table[gid]
-            common = shifted_metadata(common_attn_metadata, offsets, self._buffer(gid, common_attn_metadata),
-                                      table.block_table.gpu, table.block_size)
-            return stock(common_prefix_len, common, *args, **kwargs)
+            self.common = common_attn_metadata
+            return stock(common_prefix_len, self._shift(gid, common_attn_metadata), *args, **kwargs)
 
         return build
+
+    def _update(self, gid: int, stock: Callable[..., Any]) -> Callable[..., Any]:
+        def update_block_table(metadata: Any, block_table: Any, slot_mapping: torch.Tensor, *args: Any,
+                               **kwargs: Any) -> Any:
+            from vllm.forward_context import is_forward_context_available
+
+            if self.common is not None and not is_forward_context_available():  # the step's shared build
+                common = copy.copy(self.common)
+                common.slot_mapping = slot_mapping
+                self._shift(gid, common)  # the metadata's lengths are shifted already; this group's slots now too
+            return stock(metadata, block_table, slot_mapping, *args, **kwargs)
+
+        return update_block_table
+
+    def _shift(self, gid: int, common: Any) -> Any:
+        """``common`` shifted for group ``gid`` in a real step (its slots rewritten in place), else only copied."""
+        table = self.runner.input_batch.block_table[gid]
+        return shifted_metadata(common, self.offsets(gid) if self.live else None, self._buffer(gid, common),
+                                table.block_table.gpu, table.block_size)
 
     def _buffer(self, gid: int, common: Any) -> torch.Tensor:
         buffer = self.buffers.get(gid)
@@ -142,6 +165,7 @@ class BuilderShift:
     def remove(self) -> None:
         for builder in self.builders:
             builder.__dict__.pop("build", None)
+            builder.__dict__.pop("update_block_table", None)
         self.builders.clear()
         for name, stock in self.stock.items():
             if stock is None:
