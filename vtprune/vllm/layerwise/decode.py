@@ -32,43 +32,51 @@ import torch
 Offsets = Callable[[int], "list[int] | None"]
 
 
-def shifted_slots(block_table: torch.Tensor, block_size: int, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    """``[tokens]`` int64 KV slots of each request's new rows: row ``j`` of request ``r`` (``query_start_loc`` ``[R
-    + 1]`` on the host) at KV position ``seq_lens[r] - q_r + j`` (``seq_lens`` on the table's device, shifted), slot
-    ``block_table[r, p // B] * B + p % B``. No host read of device values."""
-    starts = query_start_loc[:num_reqs + 1].long()
+def shifted_rows(tables: torch.Tensor, block_size: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 shifts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``G`` groups' decode shift at once: ``([G, R] sequence lengths, [G, T] int64 KV slots of the new rows)``.
+
+    ``tables`` ``[G, R, W]`` the groups' block tables (device), ``query_start_loc`` ``[R + 1]`` on the host,
+    ``seq_lens`` ``[R]`` unshifted (device), ``shifts`` ``[G, R]`` on the host: the entries each group lacks per
+    request. Row ``j`` of request ``r`` goes to KV position ``p = seq_lens[r] - shifts[g, r] - q_r + j``, slot
+    ``tables[g, r, p // B] * B + p % B``. A few kernels per step whatever ``G`` (no host read of device values)."""
+    count = shifts.shape[1]
+    starts = query_start_loc[:count + 1].long()
     lengths = starts.diff()
-    request = torch.repeat_interleave(torch.arange(num_reqs), lengths)
-    within = torch.arange(int(starts[-1])) - starts[:-1].repeat_interleave(lengths)
-    device = block_table.device
-    request, within, lengths = request.to(device), within.to(device), lengths.to(device)
-    positions = seq_lens.long()[request] - lengths[request] + within
-    return block_table[request, positions // block_size].long() * block_size + positions % block_size
+    request = torch.repeat_interleave(torch.arange(count), lengths)
+    tail = torch.arange(int(starts[-1])) - starts[1:].repeat_interleave(lengths)  # j - q_r, in [-q_r, 0)
+    device = tables.device
+    shifted = seq_lens[:count].long()[None] - shifts.to(device, torch.long)  # [G, R]
+    request = request.to(device)
+    positions = shifted[:, request] + tail.to(device)  # [G, T]
+    groups = torch.arange(tables.shape[0], device=device)[:, None]
+    blocks = tables[groups, request[None], positions // block_size]
+    return shifted, blocks.long() * block_size + positions % block_size
 
 
-def shifted_metadata(common: Any, offsets: list[int] | None, seq_buffer: torch.Tensor, block_table: torch.Tensor,
-                     block_size: int) -> Any:
+def shifted_metadata(common: Any, offsets: list[int] | None, seq_buffer: torch.Tensor,
+                     rows: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
     """A copy of ``common`` (vLLM's ``CommonAttentionMetadata``) whose sequence lengths are ``offsets`` lower
-    (``seq_buffer``: the group's persistent ``[max_reqs]`` buffer, which holds them); with any offset, the new rows'
-    slots are rewritten in place in ``common.slot_mapping`` (the forward context's tensor for the group's layers)."""
+    (``seq_buffer``: the group's persistent ``[max_reqs]`` buffer, which holds them); ``rows``: the group's
+    ``([R] shifted lengths, [T] slots)`` from :func:`shifted_rows`. With any offset, the new rows' slots are
+    written in place in ``common.slot_mapping`` (the forward context's tensor for the group's layers)."""
     count = common.num_reqs
-    shift = torch.zeros(count, dtype=common.seq_lens.dtype)
-    if offsets:
-        shift[:len(offsets)] = torch.tensor(offsets, dtype=shift.dtype)
     out = copy.copy(common)
     out.seq_lens = seq_buffer[:count]
-    out.seq_lens.copy_(common.seq_lens - shift.to(common.seq_lens.device))
     for cache in ("_num_computed_tokens_cache", "_token_to_req_indices_cache"):
         if hasattr(out, cache):
             setattr(out, cache, None)
-    if not offsets or not any(offsets):
+    if not offsets or not any(offsets) or rows is None:
+        out.seq_lens.copy_(common.seq_lens)
         return out
+    lengths, slots = rows
+    out.seq_lens.copy_(lengths)
     upper = getattr(common, "seq_lens_cpu_upper_bound", None)
     if upper is not None:
-        out.seq_lens_cpu_upper_bound = upper - shift.to(upper.dtype)
+        shift = torch.zeros(count, dtype=upper.dtype)
+        shift[:len(offsets)] = torch.tensor(offsets, dtype=upper.dtype)
+        out.seq_lens_cpu_upper_bound = upper - shift
         out.max_seq_len = int(out.seq_lens_cpu_upper_bound[:count].max())
-    slots = shifted_slots(block_table, block_size, common.query_start_loc_cpu, out.seq_lens, count)
     common.slot_mapping[:slots.numel()].copy_(slots)
     return out
 
@@ -83,13 +91,15 @@ class BuilderShift:
         self.live = self.began = False
         self.buffers: dict[int, torch.Tensor] = {}
         self.common: Any = None  # the last build's (unshifted) common metadata: what a shared build's groups share
+        self.step: dict[int, tuple[list[int], Any]] | None = None  # the step's offsets and rows per group
+        self.gids: list[int] = []  # the wrapped groups
         self.builders: list[Any] = []
         self.stock = {name: runner.__dict__.get(name) for name in ("execute_model", "capture_model")}
         execute = runner.execute_model
 
         def execute_model(*args: Any, **kwargs: Any) -> Any:
             self.wrap()
-            self.live, self.began, self.common = True, False, None
+            self.live, self.began, self.common, self.step = True, False, None, None
             try:
                 return execute(*args, **kwargs)
             finally:
@@ -113,6 +123,7 @@ class BuilderShift:
             spec = self.runner.kv_cache_config.kv_cache_groups[gid].kv_cache_spec
             if not (getattr(spec, "region", 0) or hasattr(spec, "layer")):
                 continue
+            self.gids.append(gid)
             for group in groups:
                 for builder in getattr(group, "metadata_builders", None) or [group.get_metadata_builder()]:
                     if "build" not in builder.__dict__:
@@ -150,9 +161,34 @@ class BuilderShift:
 
     def _shift(self, gid: int, common: Any) -> Any:
         """``common`` shifted for group ``gid`` in a real step (its slots rewritten in place), else only copied."""
-        table = self.runner.input_batch.block_table[gid]
-        return shifted_metadata(common, self.offsets(gid) if self.live else None, self._buffer(gid, common),
-                                table.block_table.gpu, table.block_size)
+        if not self.live:
+            return shifted_metadata(common, None, self._buffer(gid, common), None)
+        if self.step is None:
+            self.step = self._step_rows(common)
+        offsets, rows = self.step.get(gid, (None, None))
+        return shifted_metadata(common, offsets, self._buffer(gid, common), rows)
+
+    def _step_rows(self, common: Any) -> dict[int, tuple[list[int], Any]]:
+        """Group id -> ``(offsets, rows)`` of every wrapped group for the step being built: the shifted groups'
+        lengths and slots in one :func:`shifted_rows` per block layout (``rows`` None where nothing shifts)."""
+        batch = self.runner.input_batch
+        count = common.num_reqs
+        out, layouts = {}, {}
+        for gid in self.gids:
+            offsets = self.offsets(gid)
+            out[gid] = (offsets, None)
+            if offsets and any(offsets):
+                table = batch.block_table[gid]
+                layouts.setdefault((table.block_size, table.block_table.gpu.shape[-1]), []).append((gid, offsets))
+        for (block_size, _), shifted in layouts.items():
+            shifts = torch.zeros(len(shifted), count, dtype=torch.long)
+            for row, (_, offsets) in enumerate(shifted):
+                shifts[row, :len(offsets)] = torch.tensor(offsets, dtype=torch.long)
+            tables = torch.stack([batch.block_table[gid].block_table.gpu[:count] for gid, _ in shifted])
+            lengths, slots = shifted_rows(tables, block_size, common.query_start_loc_cpu, common.seq_lens, shifts)
+            for row, (gid, offsets) in enumerate(shifted):
+                out[gid] = (offsets, (lengths[row], slots[row]))
+        return out
 
     def _buffer(self, gid: int, common: Any) -> torch.Tensor:
         buffer = self.buffers.get(gid)
@@ -167,6 +203,7 @@ class BuilderShift:
             builder.__dict__.pop("build", None)
             builder.__dict__.pop("update_block_table", None)
         self.builders.clear()
+        self.gids.clear()
         for name, stock in self.stock.items():
             if stock is None:
                 self.runner.__dict__.pop(name, None)
