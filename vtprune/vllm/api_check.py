@@ -106,6 +106,8 @@ MEMBERS: tuple[Member, ...] = (
     *(Member("v1/worker/block_table.py", "BlockTable", name) for name in ("num_blocks_per_row", "block_size")),
     # hook-free decode and graph settings (decode.py, ops.py, config.py)
     Member("v1/worker/utils.py", "AttentionGroup", "metadata_builders"),
+    Member(_BACKEND, "AttentionMetadataBuilder", "update_block_table", ("self", "metadata", "blk_table", "slot_mapping")),
+    Member(_BACKEND, "AttentionMetadataBuilder", "supports_update_block_table"),
     Member("forward_context.py", "ForwardContext", "no_compile_layers"),
     Member("config/vllm.py", "VllmConfig", "additional_config"),
     *(Member("config/compilation.py", "CompilationConfig", name) for name in ("mode", "cudagraph_mode")),

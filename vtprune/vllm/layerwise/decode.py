@@ -91,7 +91,7 @@ class BuilderShift:
         self.live = self.began = False
         self.buffers: dict[int, torch.Tensor] = {}
         self.common: Any = None  # the last build's (unshifted) common metadata: what a shared build's groups share
-        self.step: dict[int, tuple[list[int], Any]] | None = None  # the step's offsets and rows per group
+        self.step: tuple[tuple[int, int], dict] | None = None  # (batch shape, the step's offsets and rows per group)
         self.gids: list[int] = []  # the wrapped groups
         self.builders: list[Any] = []
         self.stock = {name: runner.__dict__.get(name) for name in ("execute_model", "capture_model")}
@@ -163,9 +163,10 @@ class BuilderShift:
         """``common`` shifted for group ``gid`` in a real step (its slots rewritten in place), else only copied."""
         if not self.live:
             return shifted_metadata(common, None, self._buffer(gid, common), None)
-        if self.step is None:
-            self.step = self._step_rows(common)
-        offsets, rows = self.step.get(gid, (None, None))
+        key = (common.num_reqs, common.num_actual_tokens)
+        if self.step is None or self.step[0] != key:  # once per step (again if the runner builds another batch)
+            self.step = (key, self._step_rows(common))
+        offsets, rows = self.step[1].get(gid, (None, None))
         return shifted_metadata(common, offsets, self._buffer(gid, common), rows)
 
     def _step_rows(self, common: Any) -> dict[int, tuple[list[int], Any]]:

@@ -16,7 +16,8 @@ PrefixKV's two ops do, :mod:`vtprune.vllm.layerwise.ops`, whose lookup by attent
 * ``vtprune::layer_end`` (after the final norm) returns the rows at their scheduled places (again a new size);
 * ``vtprune::layer_capture`` runs a method's capture of a module's output.
 
-An op returns new tensors (a custom op's outputs may not alias its inputs): a copy of its input when the step
+Each op is registered with :func:`vtprune.vllm.layerwise.ops.define_op` (one dispatcher call per call). An op
+returns new tensors (an op's outputs may not alias its inputs): a copy of its input when the step
 compacts nothing. Ops without outputs declare that they mutate their first tensor (they do not), so that the
 compiler keeps them. Steps of decode rows only find nothing to do; a full CUDA graph that captured them replays the
 copies without the Python.
@@ -26,14 +27,18 @@ from __future__ import annotations
 
 import torch
 
-from vtprune.vllm.layerwise.ops import _runtime
+from vtprune.vllm.layerwise.ops import _runtime, define_op
 
 
 def _copies(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.clone() for t in tensors)
 
 
-@torch.library.custom_op("vtprune::layer_begin", mutates_args=("hidden",))
+def _layer_begin_fake(hidden: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+@define_op(_layer_begin_fake, mutates_args=("hidden",))
 def layer_begin(hidden: torch.Tensor, layer_name: str) -> None:
     """The step's first layer: the runtime reads the step's requests (``hidden`` ``[T, D]``: ``T`` the step's rows)."""
     target = _runtime(layer_name)
@@ -41,12 +46,12 @@ def layer_begin(hidden: torch.Tensor, layer_name: str) -> None:
         target.begin(hidden.shape[0])
 
 
-@layer_begin.register_fake
-def _(hidden: torch.Tensor, layer_name: str) -> None:
+def _layer_input_fake(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                      layer_name: str, layer: int, use: str) -> None:
     return None
 
 
-@torch.library.custom_op("vtprune::layer_input", mutates_args=("hidden",))
+@define_op(_layer_input_fake, mutates_args=("hidden",))
 def layer_input(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str,
                 layer: int, use: str) -> None:
     """Decoder layer ``layer``'s input read, not changed: ``use="score"`` scores a stage above it for the prompts that
@@ -56,13 +61,14 @@ def layer_input(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.T
         (target.score_ahead if use == "score" else target.layer_captures_at)(layer, positions, hidden, residual)
 
 
-@layer_input.register_fake
-def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, layer_name: str, layer: int,
-      use: str) -> None:
-    return None
+def _layer_stage_fake(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, layer_name: str,
+                      layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (positions.new_empty(*positions.shape[:-1], rows), hidden.new_empty(rows, hidden.shape[-1]),
+            residual.new_empty(rows, residual.shape[-1]))
 
 
-@torch.library.custom_op("vtprune::layer_stage", mutates_args=())
+@define_op(_layer_stage_fake, mutates_args=())
 def layer_stage(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, layer_name: str,
                 layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(positions [..., T'], hidden [T', D], residual [T', D])`` after stage layer ``layer``'s compaction."""
@@ -71,15 +77,12 @@ def layer_stage(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.T
     return _copies(positions, hidden, residual) if rows is None else rows
 
 
-@layer_stage.register_fake
-def _(positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, layer_name: str,
-      layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows = torch.library.get_ctx().new_dynamic_size()
-    return (positions.new_empty(*positions.shape[:-1], rows), hidden.new_empty(rows, hidden.shape[-1]),
-            residual.new_empty(rows, residual.shape[-1]))
+def _layer_positions_fake(positions: torch.Tensor, hidden: torch.Tensor, layer_name: str,
+                          layer: int) -> torch.Tensor:
+    return positions.new_empty(*positions.shape[:-1], hidden.shape[0])
 
 
-@torch.library.custom_op("vtprune::layer_positions", mutates_args=())
+@define_op(_layer_positions_fake, mutates_args=())
 def layer_positions(positions: torch.Tensor, hidden: torch.Tensor, layer_name: str, layer: int) -> torch.Tensor:
     """``[..., T']`` the positions of the rows ``hidden`` ``[T', D]`` holds at ``layer`` (after a stage's)."""
     target = _runtime(layer_name)
@@ -87,12 +90,11 @@ def layer_positions(positions: torch.Tensor, hidden: torch.Tensor, layer_name: s
     return (positions if current is None else current).clone()
 
 
-@layer_positions.register_fake
-def _(positions: torch.Tensor, hidden: torch.Tensor, layer_name: str, layer: int) -> torch.Tensor:
-    return positions.new_empty(*positions.shape[:-1], hidden.shape[0])
+def _layer_end_fake(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return hidden.new_empty(torch.library.get_ctx().new_dynamic_size(), hidden.shape[-1])
 
 
-@torch.library.custom_op("vtprune::layer_end", mutates_args=())
+@define_op(_layer_end_fake, mutates_args=())
 def layer_end(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
     """``[T, D]`` the final norm's rows back at the step's scheduled places (pruned prompt rows zero)."""
     target = _runtime(layer_name)
@@ -100,19 +102,15 @@ def layer_end(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
     return hidden.clone() if rows is None else rows
 
 
-@layer_end.register_fake
-def _(hidden: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return hidden.new_empty(torch.library.get_ctx().new_dynamic_size(), hidden.shape[-1])
+def _layer_capture_fake(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str,
+                        capture: int) -> None:
+    return None
 
 
-@torch.library.custom_op("vtprune::layer_capture", mutates_args=("output",))
+
+@define_op(_layer_capture_fake, mutates_args=("output",))
 def layer_capture(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
     """Capture number ``capture`` of the method: a module's tensor ``inputs`` and its ``output``."""
     target = _runtime(layer_name)
     if target is not None:
         target.capture(capture, inputs, output)
-
-
-@layer_capture.register_fake
-def _(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
-    return None
