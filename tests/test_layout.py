@@ -24,7 +24,7 @@ FOLDERS = {
 }
 PROJECT_WIDE = {"test_architecture.py", "test_layout.py", "test_packaging.py", "test_project_files.py",
                 "test_readme_examples.py", "test_vllm_plugin.py", "test_vllm_layerwise.py",
-                "test_vllm_versions.py", "test_vllm_tower_rows.py"}  # vLLM plugin: pure parts
+                "test_vllm_versions.py", "test_vllm_tower_rows.py", "test_vllm_decode_shift.py"}  # vLLM plugin: pure parts
 NOT_TESTS = {"data", "__pycache__"}
 MAX_LINES = 400
 
