@@ -208,9 +208,10 @@ print('vLLM', settings.check_vllm_version(), 'is in the tested set'); sys.exit(a
   # The layer-wise vLLM plugin on the GPU's attention backends (FlashAttention, FlashInfer where it imports):
   # kept tokens, token ids and log-probabilities against the transformers path, at vLLM's defaults (CUDA graphs for
   # decode batches, PrefixKV compiled) and eager, beside stock vLLM at its defaults (scripts/gpu_vllm_layerwise.py;
-  # rows written as they end, the most telling first, so the time limit keeps what ran).
+  # rows written as they end, the most telling first, so the time limit keeps what ran; fastv@1: 3 KV groups of one
+  # spec, which FlashAttention builds once and updates for the others).
   if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
-    step vllm-layerwise-backends 150 "$PY" scripts/gpu_vllm_layerwise.py --device cuda --methods fastv,prefixkv,pdrop \
+    step vllm-layerwise-backends 150 "$PY" scripts/gpu_vllm_layerwise.py --device cuda --methods fastv,fastv@1,prefixkv,pdrop \
       --out "$OUT/vllm-layerwise"
   else
     skip vllm-layerwise-backends "needs CUDA, a full run and an importable vllm"

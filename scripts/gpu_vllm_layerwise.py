@@ -1,7 +1,8 @@
 """The layer-wise vLLM plugin on a device's attention backends, against vtprune's transformers path.
 
 For each backend (GPU: FLASH_ATTN, FLASHINFER where importable; CPU: CPU_ATTN) and each method (fastv, pdrop, dart,
-prefixkv: each layer's kept entries) on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
+prefixkv: each layer's kept entries; ``fastv@1``: FastV at layer 1, whose pruned region's 3 layers are 3 KV cache
+groups of one spec, which FlashAttention builds once and updates for the others) on the embedded LLaVA: one vLLM engine (prefix caching, chunked prefill in chunks of 8 tokens, two sequences at a
 time) answers four prompts at keep 0.25 for 6 steps; the kept tokens, the token ids and the largest log-probability
 gap against ``vtprune.wrap`` on the same weights and dtype go to ``OUT/layerwise.json`` and ``OUT/layerwise.md``.
 A backend that refuses the model (e.g. its head size) is recorded and skipped. Each engine runs twice (``--modes``):
@@ -39,6 +40,12 @@ def chat(template_owner, question: str, images: int) -> str:
     return template_owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def split(method: str) -> tuple[str, dict]:
+    """``"fastv@1"`` -> ``("fastv", {"layer": 1})``; a plain name has no options."""
+    name, _, layer = method.partition("@")
+    return name, ({"layer": int(layer)} if layer else {})
+
+
 def reference(folder: str, method: str, dtype, device: str, items: list) -> list:
     """(token ids, kept visual tokens, per-step log-probabilities) of vtprune's transformers path."""
     import torch
@@ -48,7 +55,8 @@ def reference(folder: str, method: str, dtype, device: str, items: list) -> list
 
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
     processor = AutoProcessor.from_pretrained(folder)
-    handle = vtprune.wrap(model, method, keep=0.25)
+    method, options = split(method)
+    handle = vtprune.wrap(model, method, keep=0.25, **options)
     out = []
     try:
         for image, question in items:
@@ -72,8 +80,9 @@ def engine_run(folder: str, method: str, dtype: str, backend: str, items: list,
 
     from vtprune.vllm.common import clear_selections, recent_selections
 
+    name, options = split(method)
     overrides = None if method == "stock" else {"architectures": ["VtpruneLlavaForConditionalGeneration"],
-                                                 "vtprune": {"method": method, "keep": 0.25}}
+                                                 "vtprune": {"method": name, "keep": 0.25, **options}}
     llm = LLM(folder, dtype=dtype, max_model_len=512, seed=0, enforce_eager=eager, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=8, max_num_seqs=2, attention_backend=backend,
               limit_mm_per_prompt={"image": 2}, gpu_memory_utilization=0.3, hf_overrides=overrides)
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--backends", default=None, help="default: FLASH_ATTN,FLASHINFER on cuda, CPU_ATTN on cpu")
-    parser.add_argument("--methods", default="fastv,pdrop,dart,prefixkv")
+    parser.add_argument("--methods", default="fastv,fastv@1,pdrop,dart,prefixkv",
+                        help="method names; name@K: a layer-wise method's stage layer K")
     parser.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs (vLLM's defaults)")
     args = parser.parse_args(argv)
     import torch
