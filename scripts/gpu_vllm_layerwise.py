@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="method names; name@K: a layer-wise method's stage layer K")
     parser.add_argument("--modes", default="eager,graphs", help="eager (enforce_eager), graphs (vLLM's defaults)")
     args = parser.parse_args(argv)
+    for method in args.methods.split(","):
+        name, _, layer = method.partition("@")
+        if not name or (layer and not layer.isdigit()):
+            parser.error(f"--methods: {method!r} is not a method name or name@K with a layer number K (e.g. fastv@1)")
     import torch
 
     from vtprune.vllm.export import model_folder

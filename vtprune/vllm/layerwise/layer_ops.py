@@ -107,7 +107,6 @@ def _layer_capture_fake(output: torch.Tensor, inputs: list[torch.Tensor], layer_
     return None
 
 
-
 @define_op(_layer_capture_fake, mutates_args=("output",))
 def layer_capture(output: torch.Tensor, inputs: list[torch.Tensor], layer_name: str, capture: int) -> None:
     """Capture number ``capture`` of the method: a module's tensor ``inputs`` and its ``output``."""

@@ -40,7 +40,7 @@ _LIBRARY = torch.library.Library("vtprune", "FRAGMENT")
 def define_op(fake: Callable[..., Any], mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Any]:
     """Register the decorated function as ``torch.ops.vtprune.<its name>`` for every device, its schema inferred
     from its annotations, ``fake`` its meta function for tracing; returns the op. A call is one dispatcher call:
-    ``torch.library.custom_op`` binds every call's arguments in Python first, about 50 us a call on a CPU, which
+    ``torch.library.custom_op`` binds every call's arguments in Python first (24 us a call against 2.7 us, on this project's CPU), which
     the ops' 32 to 64 calls per step (one or two per decoder layer) would pay in every decode step."""
 
     def register(function: Callable[..., Any]) -> Any:
