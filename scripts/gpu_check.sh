@@ -212,7 +212,7 @@ print('vLLM', settings.check_vllm_version(), 'is in the tested set'); sys.exit(a
   # spec, which FlashAttention builds once and updates for the others).
   if [ "$DEVICE" = cuda ] && [ "$QUICK" = 0 ] && "$PY" -c "import vllm" >/dev/null 2>&1; then
     step vllm-layerwise-backends 150 "$PY" scripts/gpu_vllm_layerwise.py --device cuda --methods fastv,fastv@1,prefixkv,pdrop \
-      --out "$OUT/vllm-layerwise"
+      --out "$OUT/vllm-layerwise" --force
   else
     skip vllm-layerwise-backends "needs CUDA, a full run and an importable vllm"
   fi

@@ -12,7 +12,7 @@ the engine ran and the seconds its ``generate`` call took; a ``stock`` row per b
 unpruned) gives the time to compare with. Run by ``scripts/gpu_check.sh`` on a GPU; ``--device cpu``
 runs the CPU backend (a check of the script itself).
 
-usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--backends A,B] [--methods M,N] [--modes ...]
+usage: python scripts/gpu_vllm_layerwise.py --device cuda|cpu --out DIR [--force] [--backends A,B] [--methods M,N] [--modes ...]
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--out", required=True)
+    parser.add_argument("--force", action="store_true", help="replace the layerwise.json an earlier run left in --out")
     parser.add_argument("--backends", default=None, help="default: FLASH_ATTN,FLASHINFER on cuda, CPU_ATTN on cpu")
     parser.add_argument("--methods", default="fastv,fastv@1,pdrop,dart,prefixkv",
                         help="method names; name@K: a layer-wise method's stage layer K")
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         name, _, layer = method.partition("@")
         if not name or (layer and not layer.isdigit()):
             parser.error(f"--methods: {method!r} is not a method name or name@K with a layer number K (e.g. fastv@1)")
+    if (Path(args.out) / "layerwise.json").exists() and not args.force:
+        parser.error(f"--out {args.out}: it holds an earlier run's layerwise.json; pass --force to replace it, "
+                     "or another folder")
     import torch
 
     from vtprune.vllm.export import model_folder

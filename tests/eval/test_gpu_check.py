@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,16 @@ def test_gpu_check_rejects_a_bad_option():
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "tpu"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and "--device must be cuda or cpu" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--methods", "fastv@x"], "is not a method name or name@K"),
+    ([], "holds an earlier run's layerwise.json; pass --force"),
+])
+def test_vllm_layerwise_script_refuses_before_it_runs(tmp_path, args, says):
+    """A malformed name@K, and an --out that holds an earlier run (never overwritten without --force)."""
+    (tmp_path / "layerwise.json").write_text("[]\n")
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_vllm_layerwise.py"), "--device", "cpu", "--out",
+                           str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert (tmp_path / "layerwise.json").read_text() == "[]\n"
