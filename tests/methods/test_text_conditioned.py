@@ -244,7 +244,8 @@ def test_parity_release_keeps_the_default_selection(method):
 @pytest.mark.parametrize("method", TEXT_METHODS)
 def test_a_prompt_ending_with_its_image_has_no_instruction(method):
     """No text after the image: CDPruner's relevance is uniform (its kernel is the plain similarity, as with
-    ``relevance_weight=0``: ``exp(0) = 1``), MMTok covers the image's tokens only; batched with a question."""
+    ``relevance_weight=0``: ``exp(0) = 1``), MMTok covers the image's tokens only; batched with a question. The
+    prompt ends on its image, so its last visual token is the query token, which every method keeps."""
     model, processor = _model("llava")
     processor.tokenizer.padding_side = "left"
     images = [random_image(96, 80, 5), random_image(64, 96, 6)]
@@ -260,5 +261,7 @@ def test_a_prompt_ending_with_its_image_has_no_instruction(method):
         with torch.no_grad():
             states = model.model.vision_tower(alone["pixel_values"], output_hidden_states=True).hidden_states
             x = model.model.multi_modal_projector(states[model.config.vision_feature_layer][0, 1:])
-        picks = dpp_greedy_order(conditional_kernel(x, torch.ones(x.shape[0])), keep_count(0.4, x.shape[0]))
-        assert kept[0][0] == sorted(picks.tolist())
+        count, query = keep_count(0.4, x.shape[0]), x.shape[0] - 1  # the prompt ends on its last visual token
+        picks = dpp_greedy_order(conditional_kernel(x, torch.ones(x.shape[0])), count).tolist()
+        # the query token (the row the next token is read from) is kept inside the count; the best others join it
+        assert kept[0][0] == sorted([query, *[p for p in picks if p != query][:count - 1]])
