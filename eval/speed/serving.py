@@ -10,7 +10,8 @@ and layer-wise methods side by side, all engines up together); then one ``genera
 transformers path (concurrency 1). Models: ``proxy576x32`` (the default: a random-weight LLaVA at LLaVA-1.5
 geometry, 336 px / 14 px patches = 576 visual tokens, with a 32-layer language model 256 wide, vLLM dummy weights),
 ``proxy576`` (the same with a 4-layer language model 512 wide: a quick run), ``proxy7b`` (LLaVA-1.5-7B's language
-model and CLIP-L tower: GPU), and ``embedded:llava`` (16 tokens per image). Each engine's KV blocks per request per
+model and CLIP-L tower: GPU), ``proxy7bx4`` (four of those language-model layers and the small tower: LLaVA-1.5-7B's
+layer geometry on a CPU, where attention is a small share of a layer, as in the real model), and ``embedded:llava`` (16 tokens per image). Each engine's KV blocks per request per
 layer are read from its own KV managers (:mod:`vtprune.eval.speed.serving_engines`) next to the formula; with
 ``--memory-bound N`` the engines run again at the highest concurrency with a KV cache that holds ``N`` unpruned
 requests (fewer than the concurrency: memory is the limit). Writes CSV, Markdown (with conditions) and a plot to
@@ -39,9 +40,11 @@ PROXY_LM = {"proxy576x32": dict(hidden_size=256, num_hidden_layers=32, num_atten
                              head_dim=64, intermediate_size=1408),
             "proxy7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                             head_dim=128, intermediate_size=11008)}
+PROXY_LM["proxy7bx4"] = {**PROXY_LM["proxy7b"], "num_hidden_layers": 4}  # 7B's layers, four of them: a CPU runs it
 PROXY_TOWER = {"proxy576": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
                "proxy576x32": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2),
                "proxy7b": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16)}
+PROXY_TOWER["proxy7bx4"] = PROXY_TOWER["proxy576"]  # the small tower: the language model's prefill is what is timed
 FIELDS = ["model", "engine", "scenario", "method", "keep", "concurrency", "requests", "visual_tokens", "kept_tokens",
           "req_per_s", "ttft_p50_ms", "tpot_p50_ms", "kv_tokens_per_req", "kv_read_tokens_per_req",
           "kv_blocks_per_req", "kv_mib_per_req", "max_requests_in_budget", "engine_block_size", "kv_blocks_engine",

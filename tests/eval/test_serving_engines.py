@@ -28,6 +28,17 @@ def test_the_default_proxy_has_llava_geometry_and_32_layers(tmp_path):
     assert parse(["--out", str(tmp_path / "out")]).models == "proxy576x32"
 
 
+def test_the_7b_layer_proxy_has_four_of_llava_7bs_layers_and_the_small_tower(tmp_path):
+    text = json.loads((proxy_folder("proxy7bx4", tmp_path) / "config.json").read_text())["text_config"]
+    seven = json.loads((proxy_folder("proxy7b", tmp_path) / "config.json").read_text())
+    assert text["num_hidden_layers"] == 4 and seven["text_config"]["num_hidden_layers"] == 32
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim"):
+        assert text[name] == seven["text_config"][name]
+    tower = json.loads((proxy_folder("proxy7bx4", tmp_path) / "config.json").read_text())["vision_config"]
+    assert tower["num_hidden_layers"] == 1 and tower["image_size"] // tower["patch_size"] == 24
+    assert parse(["--models", "proxy7bx4", "--out", str(tmp_path / "out")]).models == "proxy7bx4"
+
+
 def test_memory_bound_budget_by_hand(tmp_path):
     # 586 prompt + 8 output tokens = 594: 5 blocks of 128 in each of 32 layers; a token in a layer holds
     # 2 x 4 KV heads x 64 x 4 bytes = 2 KiB: 640 x 32 x 2 KiB = 40 MiB per request
