@@ -109,7 +109,8 @@ def summary(model: str, engine: str, method: str, keep: float, concurrency: int,
            "ttft_p50_ms": round(1000 * statistics.median(r["ttft"] for r in records), 1),
            "tpot_p50_ms": round(1000 * statistics.median(r["tpot"] for r in records), 2), "speedup": "",
            "vs_transformers": "", "kv_budget_mib": "", **dict.fromkeys(BLOCK_FIELDS, "")}
-    row.update(kv_fields(method, keep, config["text_config"], visual, tokens, args.block_size, args.kv_budget_gib))
+    row.update(kv_fields(method, keep, config["text_config"], visual, tokens, args.block_size, args.kv_budget_gib,
+                         value_bytes(args.dtype)))
     return row
 
 
@@ -274,6 +275,11 @@ def add_speedups(rows: list[dict]) -> None:
         row["vs_transformers"] = round(row["req_per_s"] / transformers, 2) if transformers else ""
 
 
+def value_bytes(dtype: str) -> int:
+    """Bytes of one KV value in ``dtype`` (float32 4, float16 / bfloat16 2)."""
+    return 4 if dtype == "float32" else 2
+
+
 def conditions(args: argparse.Namespace) -> str:
     import torch
     import vllm
@@ -293,12 +299,14 @@ def conditions(args: argparse.Namespace) -> str:
             f"{args.max_tokens} output tokens each (ignore_eos), distinct random images; transformers path: "
             f"{args.transformers_requests} requests, one at a time; KV per request: each layer's tokens (a layer-wise "
             "method's pruned layers hold only the kept ones) in blocks of "
-            f"{args.block_size} tokens x 2 x KV heads x head dim x 4 bytes, summed over layers; kv_blocks_per_req = "
+            f"{args.block_size} tokens x 2 x KV heads x head dim x {value_bytes(args.dtype)} bytes, summed over layers; "
+            "kv_blocks_per_req = "
             f"those blocks / layers; max_requests_in_budget = requests whose KV fits {args.kv_budget_gib} GiB; "
             "kv_blocks_engine: one request alone, its blocks read from the engine's KV managers at its last step, per "
             "layer, at the engine's block size (engine_block_size), next to the formula at that block size "
-            "(kv_blocks_formula); memory-bound rows: the engines restarted with a KV cache of kv_budget_mib, which "
-            f"holds {args.memory_bound} unpruned requests, at concurrency {max(args.concurrency)}.")
+            "(kv_blocks_formula)" + (f"; memory-bound rows: the engines restarted with a KV cache of kv_budget_mib, "
+                                     f"which holds {args.memory_bound} unpruned requests, at concurrency "
+                                     f"{max(args.concurrency)}" if args.memory_bound else "") + ".")
 
 
 def write(rows: list[dict], out: Path, args: argparse.Namespace) -> None:

@@ -89,3 +89,18 @@ def test_a_memory_bound_engine_starts_without_vllm_cpus_legacy_kv_size(monkeypat
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
     with kv_space(None):
         assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+
+
+def test_kv_memory_counts_the_run_dtypes_bytes():
+    # 594 tokens of the 32-layer proxy (4 KV heads x 64): 38 blocks of 16 per layer, 2 x 4 x 64 values per token;
+    # float32 4 bytes a value: 38 x 16 x 512 x 4 x 32 layers = 38 MiB; bfloat16 half of it
+    from vtprune.eval.speed.serving import summary
+
+    config = {"text_config": {"num_key_value_heads": 4, "head_dim": 64, "hidden_size": 256,
+                              "num_attention_heads": 4, "num_hidden_layers": 32}}
+    records = [{"ttft": 0.1, "tpot": 0.01, "prompt": 586, "output": 8}]
+    rows = {dtype: summary("proxy576x32", "vllm", "none", 1.0, 1, records, 1.0, config, 576, 576,
+                           argparse.Namespace(block_size=16, kv_budget_gib=8.0, dtype=dtype))
+            for dtype in ("float32", "bfloat16")}
+    assert rows["float32"]["kv_mib_per_req"] == pytest.approx(38.0)
+    assert rows["bfloat16"]["kv_mib_per_req"] == pytest.approx(19.0)
