@@ -11,10 +11,11 @@ transformers path (concurrency 1). Models: ``proxy576x32`` (the default: a rando
 geometry, 336 px / 14 px patches = 576 visual tokens, with a 32-layer language model 256 wide, vLLM dummy weights),
 ``proxy576`` (the same with a 4-layer language model 512 wide: a quick run), ``proxy7b`` (LLaVA-1.5-7B's language
 model and CLIP-L tower: GPU), ``proxy7bx4`` (four of those language-model layers and the small tower: LLaVA-1.5-7B's
-layer geometry on a CPU, where attention is a small share of a layer, as in the real model), and ``embedded:llava`` (16 tokens per image). Each engine's KV blocks per request per
-layer are read from its own KV managers (:mod:`vtprune.eval.speed.serving_engines`) next to the formula; with
-``--memory-bound N`` the engines run again at the highest concurrency with a KV cache that holds ``N`` unpruned
-requests (fewer than the concurrency: memory is the limit). Writes CSV, Markdown (with conditions) and a plot to
+layer geometry on a CPU, where attention is a small share of a layer, as in the real model), and ``embedded:llava``
+(16 tokens per image). Each engine's KV blocks per request per layer are read from its own KV managers
+(:mod:`vtprune.eval.speed.serving_engines`) next to the formula; with ``--memory-bound N`` the engines run again at
+the highest concurrency with a KV cache that holds ``N`` unpruned requests (fewer than the concurrency: memory is
+the limit). Writes CSV, Markdown (with conditions) and a plot to
 ``--out``.
 """
 
@@ -100,7 +101,7 @@ async def run_load(engine, prompt: str, pictures: list, concurrency: int, max_to
 
 def summary(model: str, engine: str, method: str, keep: float, concurrency: int, records: list, seconds: float,
             config: dict, visual: int, kept: int, args: argparse.Namespace) -> dict:
-    from vtprune.eval.speed.serving_kv import kv_fields
+    from vtprune.eval.speed.serving_kv import kv_fields, value_bytes
 
     tokens = statistics.mean(r["prompt"] + r["output"] for r in records)
     row = {"model": model, "engine": engine, "scenario": "", "method": method, "keep": keep, "concurrency": concurrency,
@@ -275,14 +276,10 @@ def add_speedups(rows: list[dict]) -> None:
         row["vs_transformers"] = round(row["req_per_s"] / transformers, 2) if transformers else ""
 
 
-def value_bytes(dtype: str) -> int:
-    """Bytes of one KV value in ``dtype`` (float32 4, float16 / bfloat16 2)."""
-    return 4 if dtype == "float32" else 2
-
-
 def conditions(args: argparse.Namespace) -> str:
     import torch
     import vllm
+    from vtprune.eval.speed.serving_kv import value_bytes
 
     import vtprune
 
@@ -299,8 +296,8 @@ def conditions(args: argparse.Namespace) -> str:
             f"{args.max_tokens} output tokens each (ignore_eos), distinct random images; transformers path: "
             f"{args.transformers_requests} requests, one at a time; KV per request: each layer's tokens (a layer-wise "
             "method's pruned layers hold only the kept ones) in blocks of "
-            f"{args.block_size} tokens x 2 x KV heads x head dim x {value_bytes(args.dtype)} bytes, summed over layers; "
-            "kv_blocks_per_req = "
+            f"{args.block_size} tokens x 2 x KV heads x head dim x {value_bytes(args.dtype)} bytes, summed over "
+            "layers; kv_blocks_per_req = "
             f"those blocks / layers; max_requests_in_budget = requests whose KV fits {args.kv_budget_gib} GiB; "
             "kv_blocks_engine: one request alone, its blocks read from the engine's KV managers at its last step, per "
             "layer, at the engine's block size (engine_block_size), next to the formula at that block size "

@@ -87,14 +87,13 @@ def memory_bound(folder: Path, requests: int, block_size: int, args: argparse.Na
 def memory_bound_bytes(folder: Path, requests: int, block_size: int, args: argparse.Namespace) -> int:
     """KV bytes that hold ``requests`` unpruned requests (prompt + ``--max-tokens``, whole blocks of ``block_size``
     in every layer, ``--dtype``): the memory-bound run's ``kv_cache_memory_bytes``."""
-    from vtprune.eval.speed.serving_kv import kv_fields
+    from vtprune.eval.speed.serving_kv import kv_fields, value_bytes
 
     config = json.loads((folder / "config.json").read_text())
     size = config["vision_config"]["image_size"]
     visual = (size // config["vision_config"]["patch_size"]) ** 2
-    width = 4 if args.dtype == "float32" else 2
     fields = kv_fields("none", 1.0, config["text_config"], visual, visual + PROMPT_TEXT + args.max_tokens, block_size,
-                       1.0, width)
+                       1.0, value_bytes(args.dtype))
     return int(fields["kv_mib_per_req"] * 2**20 * requests)
 
 

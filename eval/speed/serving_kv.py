@@ -32,6 +32,11 @@ def layer_tokens(method: str, keep: float, num_layers: int, visual: int, tokens:
     return [tokens - pruned[plan.region_of_layer(layer)] for layer in range(num_layers)]
 
 
+def value_bytes(dtype: str) -> int:
+    """Bytes of one KV value in ``dtype`` (``float32`` 4; ``float16`` / ``bfloat16`` 2)."""
+    return 4 if dtype == "float32" else 2
+
+
 def kv_fields(method: str, keep: float, text_config: dict, visual: int, tokens: float, block_size: int,
               budget_gib: float, bytes_per_value: int = 4) -> dict:
     """``kv_tokens_per_req`` (allocated, mean over layers), ``kv_read_tokens_per_req`` (what a decode step reads,

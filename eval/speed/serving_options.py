@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-PROXIES = ("proxy576x32", "proxy576", "proxy7b", "proxy7bx4")  # the random-weight proxies of vtprune.eval.speed.serving
+#: the random-weight proxies of vtprune.eval.speed.serving
+PROXIES = ("proxy576x32", "proxy576", "proxy7b", "proxy7bx4")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -20,8 +21,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                            description="Serving benchmark: vLLM with vtprune's plugin, pruned vs unpruned, as users "
                                        "measure serving (and vs vtprune's transformers path).")
     parser.add_argument("--models", default="proxy576x32",
-                        help="proxy576x32 (32 layers, the default), proxy576 (4 layers: quick), proxy7b (GPU), proxy7bx4 "
-                             "(four of LLaVA-1.5-7B's layers: a CPU's view of 7B layer geometry), "
+                        help="proxy576x32 (32 layers, the default), proxy576 (4 layers: quick), proxy7b (GPU), "
+                             "proxy7bx4 (four of LLaVA-1.5-7B's layers: 7B layer geometry on a CPU), "
                              "embedded:llava or a model folder, comma-separated")
     parser.add_argument("--methods", default="divprune,fastv,pdrop",
                         help="the pruned engines' methods, comma-separated: pre-LLM (divprune, random) and layer-wise "
